@@ -1,0 +1,224 @@
+// The defer queue is a mutex-guarded vector swapped out whole by the loop, with
+// one flag saying a wake-up is already on its way. A producer posts to the
+// io_context only when it turns the flag on; the loop turns it off before it
+// takes the batch, so a function queued after the swap posts a fresh wake-up
+// and is never stranded.
+//
+// Finishing takes the same mutex to set closed_ and collect the last batch, so
+// every defer() either lands in a batch that runs or sees closed_ and throws.
+#include "broker/broker.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <asio/executor_work_guard.hpp>
+#include <asio/post.hpp>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+
+namespace spindle {
+
+Broker::Broker() : Broker(Options{}) {}
+
+Broker::Broker(Options opts) : opts_(opts) {
+  thread_ = std::thread([this] { run(); });
+}
+
+Broker::~Broker() {
+  shutdown();
+  if (!on_broker_thread() && thread_.joinable()) thread_.join();
+  if (thread_.joinable()) thread_.detach();  // destroyed from its own thread: cannot join
+}
+
+void Broker::run() {
+  thread_id_.store(std::this_thread::get_id());
+  tid_.store(static_cast<pid_t>(::syscall(SYS_gettid)));
+  // Writes to a closed pipe must come back as EPIPE, not kill the process.
+  // Only this thread blocks SIGPIPE; streams consume any that stays pending.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  pthread_setname_np(pthread_self(), "spindle-broker");
+
+  auto guard = asio::make_work_guard(io_);
+  while (true) {
+    try {
+      io_.run();
+      break;
+    } catch (const std::exception& e) {
+      // A handler threw: log it and keep serving everyone else.
+      log().error("broker: handler threw: {}", e.what());
+    }
+  }
+  finish();
+}
+
+bool Broker::try_defer(std::function<void()> fn) {
+  if (on_broker_thread()) {
+    fn();
+    return true;
+  }
+  bool post = false;
+  {
+    std::lock_guard lk(defer_mu_);
+    if (closed_) return false;
+    deferred_.push_back(std::move(fn));
+    ++stats_.deferred;
+    if (!wake_posted_) {
+      wake_posted_ = true;
+      ++stats_.wakeups_posted;
+      post = true;
+    }
+  }
+  if (post) asio::post(io_, [this] { drain_deferred(); });
+  return true;
+}
+
+void Broker::defer(std::function<void()> fn) {
+  if (!try_defer(std::move(fn))) throw ShutdownError(std::string(errtext::kBrokerShutDown));
+}
+
+void Broker::drain_deferred() {
+  std::vector<std::function<void()>> batch;
+  {
+    std::lock_guard lk(defer_mu_);
+    wake_posted_ = false;
+    batch.swap(deferred_);
+    ++stats_.drains;
+  }
+  for (auto& fn : batch) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      log().error("broker: deferred function threw: {}", e.what());
+    }
+  }
+}
+
+Broker::Stats Broker::stats() const {
+  std::lock_guard lk(const_cast<std::mutex&>(defer_mu_));
+  return stats_;
+}
+
+Broker::TimerId Broker::call_later(std::chrono::nanoseconds delay, std::function<void()> fn) {
+  TimerId id = next_timer_.fetch_add(1);
+  defer([this, id, delay, fn = std::move(fn)]() mutable {
+    auto timer = std::make_unique<asio::steady_timer>(io_, delay);
+    timer->async_wait([this, id, fn = std::move(fn)](const std::error_code& ec) {
+      if (ec == asio::error::operation_aborted) return;
+      timers_.erase(id);
+      fn();
+    });
+    timers_.emplace(id, std::move(timer));
+  });
+  return id;
+}
+
+void Broker::cancel_timer(TimerId id) {
+  try_defer([this, id] {
+    auto it = timers_.find(id);
+    if (it == timers_.end()) return;
+    it->second->cancel();
+    timers_.erase(it);
+  });
+}
+
+void Broker::shutdown() { shutdown(opts_.shutdown_grace); }
+
+void Broker::shutdown(std::chrono::milliseconds grace) {
+  {
+    std::lock_guard lk(request_mu_);
+    if (shutdown_requested_.exchange(true)) return;
+  }
+  request_cv_.notify_all();
+  try_defer([this, grace] { begin_shutdown(grace); });
+}
+
+void Broker::wait_for_shutdown_request() {
+  std::unique_lock lk(request_mu_);
+  request_cv_.wait(lk, [this] { return shutdown_requested_.load(); });
+}
+
+void Broker::join() {
+  if (on_broker_thread()) throw Error("Broker::join() called on the broker thread");
+  if (thread_.joinable()) thread_.join();
+}
+
+void Broker::begin_shutdown(std::chrono::milliseconds grace) {
+  state_.store(State::kDraining, std::memory_order_release);
+  log().debug("broker: shutdown begins, {} participant(s), grace {} ms", participants_.size(),
+              grace.count());
+  deadline_ = std::make_unique<asio::steady_timer>(io_, grace);
+  deadline_->async_wait([this](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted) return;
+    log().warn("broker: shutdown grace period over; force-closing {} participant(s)",
+               participants_.size() - drained_.size());
+    auto left = participants_;
+    for (auto* p : left) {
+      if (!drained_.count(p)) p->on_shutdown_deadline();
+    }
+    finishing_ = true;
+    io_.stop();
+  });
+  // Copy: a participant may unregister itself while being told.
+  auto all = participants_;
+  for (auto* p : all) p->on_shutdown_begin();
+  maybe_finish();
+}
+
+void Broker::add_participant(ShutdownParticipant* p) { participants_.insert(p); }
+
+void Broker::remove_participant(ShutdownParticipant* p) {
+  participants_.erase(p);
+  drained_.erase(p);
+  if (state() == State::kDraining) maybe_finish();
+}
+
+void Broker::participant_drained(ShutdownParticipant* p) {
+  if (participants_.count(p)) drained_.insert(p);
+  if (state() == State::kDraining) maybe_finish();
+}
+
+void Broker::maybe_finish() {
+  if (finishing_ || drained_.size() < participants_.size()) return;
+  finishing_ = true;
+  // Let handlers already queued (e.g. deferred work) run before stopping.
+  asio::post(io_, [this] {
+    if (deadline_) deadline_->cancel();
+    io_.stop();
+  });
+}
+
+// Runs on the broker thread after the loop ended: runs every deferred function
+// accepted so far, then refuses all later ones.
+void Broker::finish() {
+  while (true) {
+    std::vector<std::function<void()>> batch;
+    {
+      std::lock_guard lk(defer_mu_);
+      if (deferred_.empty()) {
+        closed_ = true;
+        break;
+      }
+      batch.swap(deferred_);
+    }
+    for (auto& fn : batch) {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        log().error("broker: deferred function threw during shutdown: {}", e.what());
+      }
+    }
+  }
+  timers_.clear();
+  deadline_.reset();
+  state_.store(State::kStopped, std::memory_order_release);
+  shutdown_requested_.store(true);
+  log().debug("broker: stopped");
+}
+
+}  // namespace spindle

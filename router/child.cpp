@@ -1,0 +1,276 @@
+// Between fork() and the child's own Broker, the child runs on the one thread
+// that called fork(). It must not touch anything another parent thread could
+// have been holding: the parent's broker, router and logger stay untouched in
+// the child's memory (and leak with it), and the child ends with _exit() so no
+// inherited static destructor runs either.
+#include "router/child.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/syscall.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <linux/close_range.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <system_error>
+
+#include <asio/posix/stream_descriptor.hpp>
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/log_forward.h"
+
+extern char** environ;
+
+namespace spindle {
+namespace {
+
+[[noreturn]] void throw_errno(const char* what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+// Closes every fd >= 3 except `keep`.
+void close_other_fds(int keep) {
+  int rc = 0;
+  if (keep > 3) rc = ::close_range(3, static_cast<unsigned>(keep - 1), 0);
+  if (rc == 0) rc = ::close_range(static_cast<unsigned>(keep + 1), ~0u, 0);
+  if (rc != 0) {
+    // Kernels before 5.9: close one by one.
+    long max = ::sysconf(_SC_OPEN_MAX);
+    for (long fd = 3; fd < (max > 0 ? max : 65536); ++fd)
+      if (fd != keep) ::close(static_cast<int>(fd));
+  }
+}
+
+int run_child(int read_fd, int write_fd, RouterOptions opts, const ChildMain& main) {
+  int rc = 1;
+  {
+    Broker broker;
+    Router router(broker, opts);
+    router.hold_unknown_handles(true);  // until main has registered its handlers
+    try {
+      router.attach_parent(read_fd, write_fd);
+    } catch (const std::exception& e) {
+      log().error("child cannot start: {}", e.what());
+      return 1;
+    }
+    set_log_sinks({std::make_shared<ForwardLogSink>(router)});
+    ChildEnv env(router, broker);
+    try {
+      rc = main(env);
+    } catch (const std::exception& e) {
+      log().error("child main threw: {}", e.what());
+      rc = 1;
+    }
+    try {
+      env.ready();
+    } catch (const ShutdownError&) {
+      // Already stopped: held messages were answered at shutdown.
+    }
+    broker.shutdown();
+    broker.join();
+    set_log_sinks({});  // the forwarding sink borrows the router
+  }
+  return rc;
+}
+
+// Parent side: watch the pid, route the link, hand out a Context.
+Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
+                    const std::string& name, pid_t pid) {
+  // Via syscall(): Debian 12's <sys/pidfd.h> lacks C linkage for C++ callers.
+  int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) {
+    int err = errno;
+    ::close(read_fd);
+    if (write_fd != read_fd) ::close(write_fd);
+    errno = err;
+    throw_errno("pidfd_open");
+  }
+  auto proc = std::make_shared<ChildProcess>(pid, pidfd);
+  // The broker watches its own duplicate, so ChildProcess::wait() can poll the
+  // original from another thread.
+  int watch_fd = ::fcntl(pidfd, F_DUPFD_CLOEXEC, 3);
+  if (watch_fd < 0) log().warn("dup(pidfd) for ctx={}: {}; exit is reaped by wait_exit() only", id, errno_text(errno));
+  parent.broker().defer([&parent, read_fd, write_fd, id, name, proc, watch_fd] {
+    parent.add_child_stream(read_fd, write_fd, id, name);
+    if (watch_fd < 0) return;
+    auto watch = std::make_shared<asio::posix::stream_descriptor>(parent.broker().io(), watch_fd);
+    watch->async_wait(asio::posix::descriptor_base::wait_read,
+                      [watch, proc, id, name](const std::error_code& ec) {
+                        if (ec == asio::error::operation_aborted) return;
+                        if (auto st = proc->reap())
+                          log().info("child ctx={} ({}) pid={} {}", id, name, proc->pid(),
+                                     describe_wait_status(*st));
+                      });
+  });
+  return Context(parent, id, name, std::move(proc));
+}
+
+}  // namespace
+
+Context ChildEnv::parent() {
+  auto pid = router_.parent_id();
+  if (!pid) throw Error("this context has no parent");
+  return Context(router_, *pid, "parent");
+}
+
+Context fork_child(Router& parent, ChildMain main, ChildOptions opts) {
+  std::uint32_t id = parent.allocate_id();
+  std::string name = opts.name.empty() ? fmt::format("child-{}", id) : opts.name;
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) throw_errno("socketpair");
+  std::fflush(nullptr);  // don't let the child flush the parent's buffered stdio twice
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    int err = errno;
+    ::close(sv[0]);
+    ::close(sv[1]);
+    errno = err;
+    throw_errno("fork");
+  }
+  if (pid == 0) {
+    close_other_fds(sv[1]);
+    reset_logging_after_fork(id, name);
+    RouterOptions ro = opts.router;
+    ro.name = name;
+    int rc = 1;
+    try {
+      rc = run_child(sv[1], sv[1], ro, main);
+    } catch (const std::exception& e) {
+      log().error("child failed: {}", e.what());
+    }
+    std::fflush(nullptr);
+    ::_exit(rc);
+  }
+  ::close(sv[1]);
+  return adopt_child(parent, sv[0], sv[0], id, name, pid);
+}
+
+Context spawn_child(Router& parent, const std::string& program,
+                    const std::vector<std::string>& args, ChildOptions opts) {
+  std::uint32_t id = parent.allocate_id();
+  std::string name = opts.name.empty() ? fmt::format("child-{}", id) : opts.name;
+
+  int parent_read = -1, parent_write = -1, child_read = -1, child_write = -1;
+  if (opts.transport == ChildTransport::kSocketPair) {
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) throw_errno("socketpair");
+    parent_read = parent_write = sv[0];
+    child_read = child_write = sv[1];
+  } else {
+    int down[2], up[2];
+    if (::pipe2(down, O_CLOEXEC) < 0) throw_errno("pipe2");
+    if (::pipe2(up, O_CLOEXEC) < 0) {
+      int err = errno;
+      ::close(down[0]);
+      ::close(down[1]);
+      errno = err;
+      throw_errno("pipe2");
+    }
+    parent_write = down[1];
+    child_read = down[0];
+    parent_read = up[0];
+    child_write = up[1];
+  }
+  auto close_child_ends = [&] {
+    ::close(child_read);
+    if (child_write != child_read) ::close(child_write);
+  };
+  auto close_all = [&] {
+    close_child_ends();
+    ::close(parent_read);
+    if (parent_write != parent_read) ::close(parent_write);
+  };
+
+  posix_spawn_file_actions_t fa;
+  if (int e = posix_spawn_file_actions_init(&fa)) {
+    close_all();
+    throw std::system_error(e, std::generic_category(), "posix_spawn_file_actions_init");
+  }
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) {
+    if (std::strncmp(*e, "SPINDLE_FD=", 11) != 0 && std::strncmp(*e, "SPINDLE_CONTEXT_NAME=", 21) != 0)
+      env_strings.emplace_back(*e);
+  }
+  int rc = 0;
+  if (opts.transport == ChildTransport::kSocketPair) {
+    // dup2 onto fd 3 clears CLOEXEC there; if the socket already is fd 3,
+    // dup2 would be a no-op that keeps CLOEXEC, so move it first.
+    if (child_read == 3) {
+      int moved = ::fcntl(child_read, F_DUPFD_CLOEXEC, 4);
+      if (moved < 0) {
+        int err = errno;
+        posix_spawn_file_actions_destroy(&fa);
+        close_all();
+        errno = err;
+        throw_errno("fcntl(F_DUPFD_CLOEXEC)");
+      }
+      ::close(child_read);
+      child_read = child_write = moved;
+    }
+    rc = posix_spawn_file_actions_adddup2(&fa, child_read, 3);
+    env_strings.emplace_back("SPINDLE_FD=3");
+  } else {
+    rc = posix_spawn_file_actions_adddup2(&fa, child_read, 0);
+    if (rc == 0) rc = posix_spawn_file_actions_adddup2(&fa, child_write, 1);
+    env_strings.emplace_back("SPINDLE_FD=stdio");
+  }
+  env_strings.emplace_back("SPINDLE_CONTEXT_NAME=" + name);
+
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(program.c_str()));
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  pid_t pid = -1;
+  if (rc == 0) rc = ::posix_spawn(&pid, program.c_str(), &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) {
+    close_all();
+    throw std::system_error(rc, std::generic_category(), "posix_spawn " + program);
+  }
+  close_child_ends();
+  return adopt_child(parent, parent_read, parent_write, id, name, pid);
+}
+
+int run_spawned_child(ChildMain main, RouterOptions opts) {
+  const char* fdspec = std::getenv("SPINDLE_FD");
+  if (!fdspec) {
+    std::fprintf(stderr, "spindle: SPINDLE_FD is not set; this program must be started by spawn_child()\n");
+    return 2;
+  }
+  if (const char* n = std::getenv("SPINDLE_CONTEXT_NAME")) opts.name = n;
+  int read_fd, write_fd;
+  if (std::strcmp(fdspec, "stdio") == 0) {
+    // Keep the link on fresh CLOEXEC fds; point stdin at /dev/null and stdout
+    // at stderr so a stray printf cannot corrupt the frame stream.
+    read_fd = ::fcntl(STDIN_FILENO, F_DUPFD_CLOEXEC, 3);
+    write_fd = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
+    if (read_fd < 0 || write_fd < 0) throw_errno("fcntl(F_DUPFD_CLOEXEC)");
+    int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull < 0) throw_errno("open /dev/null");
+    if (::dup2(devnull, STDIN_FILENO) < 0 || ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) throw_errno("dup2");
+    ::close(devnull);
+  } else {
+    char* end = nullptr;
+    long fd = std::strtol(fdspec, &end, 10);
+    if (!end || *end != '\0' || fd < 0 || fd > 65535) {
+      std::fprintf(stderr, "spindle: bad SPINDLE_FD '%s'\n", fdspec);
+      return 2;
+    }
+    read_fd = write_fd = static_cast<int>(fd);
+    if (::fcntl(read_fd, F_SETFD, FD_CLOEXEC) < 0) throw_errno("fcntl(FD_CLOEXEC) on SPINDLE_FD");
+  }
+  return run_child(read_fd, write_fd, opts, main);
+}
+
+}  // namespace spindle

@@ -1,0 +1,72 @@
+// Children: starting child contexts and running inside one.
+//
+// fork_child(): the parent makes a CLOEXEC socketpair and forks. The child
+// closes every fd but its end of the pair, replaces the logger it inherited
+// (whose locks another parent thread may hold), builds a fresh Broker and
+// Router, completes the handshake with its parent and runs the user's main.
+// No parent thread exists in the child, and nothing of the parent's broker is
+// touched there. When main returns, the child shuts down gracefully (its
+// queued messages are flushed) and _exit()s with main's return value.
+//
+// spawn_child(): for parents that have threads and want a clean exec, the
+// program is started with posix_spawn and handed its end of the link, either
+// a socket on fd 3 or its stdin/stdout (a pipe pair). The program calls
+// run_spawned_child() from main().
+//
+// In both cases the parent holds a Context; the child's pid is watched with a
+// pidfd, reaped by the broker, and its exit status logged. The child's log
+// lines travel to the parent over FORWARD_LOG, tagged with its name.
+//
+// Thread safety: fork_child() and spawn_child() may be called from any thread
+// except the broker's (they allocate an id, which may ask the root).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "router/context.h"
+
+namespace spindle {
+
+// What a child's main gets.
+class ChildEnv {
+ public:
+  ChildEnv(Router& router, Broker& broker) : router_(router), broker_(broker) {}
+  Router& router() { return router_; }
+  Broker& broker() { return broker_; }
+  std::uint32_t id() const { return router_.id(); }
+  Context parent();
+  // Declares the handlers registered: messages for handles that were unknown
+  // until now are dispatched (or answered "invalid handle"). Idempotent.
+  void ready() { router_.hold_unknown_handles(false); }
+  // ready(), then serves handlers until the parent asks this context to shut
+  // down, or the parent link is lost.
+  void serve() {
+    ready();
+    broker_.wait_for_shutdown_request();
+  }
+
+ private:
+  Router& router_;
+  Broker& broker_;
+};
+
+using ChildMain = std::function<int(ChildEnv&)>;
+
+enum class ChildTransport { kSocketPair, kStdio };
+
+struct ChildOptions {
+  std::string name;                                   // default "child-<id>"
+  ChildTransport transport = ChildTransport::kSocketPair;  // spawn_child only
+  RouterOptions router;                               // the child's router settings
+};
+
+Context fork_child(Router& parent, ChildMain main, ChildOptions opts = {});
+Context spawn_child(Router& parent, const std::string& program,
+                    const std::vector<std::string>& args, ChildOptions opts = {});
+// In a program started by spawn_child(): attaches to the parent and runs main.
+// Returns the process exit code.
+int run_spawned_child(ChildMain main, RouterOptions opts = {});
+
+}  // namespace spindle

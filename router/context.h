@@ -1,0 +1,79 @@
+// Context: the caller's handle on another context (usually a child).
+//
+// Role: names a context by id and makes calls to it through a Router:
+// call() blocks, call_async() returns a future, send() expects no reply.
+// A remote exception arrives as CallError, a dead reply as ChannelError, a
+// deadline as TimeoutError; a respondent that disconnects fails its pending
+// calls at once. For a child process the Context also knows its pid and can
+// wait for its exit status.
+//
+// Thread safety: any thread. Copies share the same child-process state.
+// Ownership: borrows the Router, which must outlive every Context.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "router/router.h"
+
+namespace spindle {
+
+// A child process and its exit status, reaped by whoever gets there first.
+class ChildProcess {
+ public:
+  ChildProcess(pid_t pid, int pidfd) : pid_(pid), pidfd_(pidfd) {}
+  ~ChildProcess();
+  pid_t pid() const { return pid_; }
+  int pidfd() const { return pidfd_; }
+  // Non-blocking reap. Returns the wait status once the child has exited.
+  std::optional<int> reap();
+  // Waits up to `timeout` for the child to exit; returns its wait status.
+  std::optional<int> wait(std::chrono::milliseconds timeout);
+
+ private:
+  const pid_t pid_;
+  const int pidfd_;
+  std::mutex mu_;
+  std::optional<int> status_;
+};
+
+std::string describe_wait_status(int status);
+
+class Context {
+ public:
+  static constexpr std::chrono::milliseconds kDefaultTimeout{30000};
+
+  Context(Router& router, std::uint32_t id, std::string name,
+          std::shared_ptr<ChildProcess> process = nullptr)
+      : router_(&router), id_(id), name_(std::move(name)), process_(std::move(process)) {}
+
+  std::uint32_t id() const { return id_; }
+  const std::string& name() const { return name_; }
+  pid_t pid() const { return process_ ? process_->pid() : 0; }
+  Router& router() const { return *router_; }
+
+  Payload call(std::uint32_t handle, Payload data,
+               std::chrono::milliseconds timeout = kDefaultTimeout) const;
+  std::string call(std::uint32_t handle, std::string_view data,
+                   std::chrono::milliseconds timeout = kDefaultTimeout) const;
+  // The future throws CallError, ChannelError or TimeoutError from get().
+  std::future<Message> call_async(std::uint32_t handle, Payload data,
+                                  std::chrono::milliseconds timeout = kDefaultTimeout) const;
+  void send(std::uint32_t handle, Payload data) const;
+  // Asks the context to shut down gracefully (SHUTDOWN).
+  void shutdown() const;
+  // Child processes only: waits for exit and returns the wait status.
+  std::optional<int> wait_exit(std::chrono::milliseconds timeout = kDefaultTimeout) const;
+
+ private:
+  Router* router_;
+  std::uint32_t id_;
+  std::string name_;
+  std::shared_ptr<ChildProcess> process_;
+};
+
+}  // namespace spindle

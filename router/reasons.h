@@ -1,0 +1,22 @@
+// The reasons a router gives in dead replies. Named constants, so peers and
+// tests can match them; docs/PROTOCOL.md lists each one. A reason may be
+// followed by ": " and detail (a context id, a size, the stream's close reason).
+#pragma once
+
+#include <string_view>
+
+namespace spindle::reason {
+
+inline constexpr std::string_view kNoRoute = "no route to context";
+inline constexpr std::string_view kInvalidHandle = "invalid handle";
+inline constexpr std::string_view kRefusedByPolicy = "refused by policy";
+inline constexpr std::string_view kUnexpectedRespondent = "reply from unexpected context";
+inline constexpr std::string_view kTooLarge = "message too large";
+inline constexpr std::string_view kPeerDisconnected = "peer disconnected";
+inline constexpr std::string_view kShuttingDown = "shutting down";
+inline constexpr std::string_view kReversePath = "reverse-path check failed";
+inline constexpr std::string_view kUnidirectional = "refused: unidirectional routing forbids reaching a sibling";
+inline constexpr std::string_view kQueueFull = "output queue full";
+inline constexpr std::string_view kHandlerRemoved = "handler removed";
+
+}  // namespace spindle::reason

@@ -1,0 +1,187 @@
+// Router: delivers messages between numbered contexts.
+//
+// Role: owns this context's streams and its route table (context id -> the
+// stream that reaches it), dispatches local messages by handle through a
+// HandlerTable, matches replies by reply_to, forwards anything else towards
+// its route or, failing that, up to the parent. It propagates ADD_ROUTE and
+// DEL_ROUTE, fails pending calls the moment their respondent disconnects, and
+// answers every failure with a dead reply that names the reason (see
+// reasons.h). A message without reply_to that cannot be delivered is logged
+// with its reason, since there is nowhere to send one.
+//
+// Ids: the root context is 0. The root allocates ids from a counter that only
+// grows (never reused within a run); other contexts ask the root with
+// ALLOCATE_ID.
+//
+// Thread safety: send(), route(), call_async(), add_handler(), del_handler(),
+// on_disconnect() and allocate_id() are safe from any thread. Stream events
+// and routing run on the broker thread. allocate_id() and attach_parent()
+// block, so they must not run on the broker thread.
+// Ownership: borrows the Broker, which must outlive it; owns its streams.
+// Destroying a Router shuts its broker down and joins it first.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "broker/broker.h"
+#include "router/handlers.h"
+#include "stream/stream.h"
+
+namespace spindle {
+
+struct RouterOptions {
+  std::string name;  // this context's name, for logs
+  std::uint32_t max_message_size = kDefaultMaxMessageSize;
+  std::size_t high_water_mark = kDefaultHighWaterMark;
+  std::chrono::milliseconds handshake_timeout{10000};
+  bool unidirectional = false;  // children may not reach their siblings
+};
+
+enum class StreamRole { kParent, kChild };
+
+struct RouterStats {
+  std::uint64_t routed = 0, delivered_locally = 0, dead_replies = 0, dropped_logged = 0;
+  std::size_t streams = 0, routes = 0, handlers = 0;
+};
+
+class Router : public StreamListener, public ShutdownParticipant {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr std::chrono::milliseconds kDefaultSendTimeout{30000};
+
+  explicit Router(Broker& broker, RouterOptions opts = {});
+  ~Router() override;
+  Router(const Router&) = delete;
+  Router& operator=(const Router&) = delete;
+
+  std::uint32_t id() const { return id_.load(std::memory_order_acquire); }
+  std::optional<std::uint32_t> parent_id() const;
+  Broker& broker() { return broker_; }
+  const RouterOptions& options() const { return opts_; }
+
+  // --- any thread ---
+  std::uint32_t add_handler(HandlerFn fn, HandlerOptions opts = {}, std::uint32_t handle = 0);
+  bool del_handler(std::uint32_t handle);
+  // Sends from this context (src_id = auth_id = id()). Waits while the
+  // destination's output queue is over its high-water mark, up to `timeout`.
+  // Throws QueueFullError, ChannelError (peer gone), ShutdownError, or Error
+  // (message too large).
+  void send(Message msg, std::chrono::milliseconds timeout = kDefaultSendTimeout);
+  // A request whose reply (or dead reply, or CallError) completes the future.
+  // The timeout fails it with TimeoutError; a respondent that disconnects
+  // fails it at once with ChannelError.
+  std::future<Message> request(Message msg, std::chrono::milliseconds timeout);
+  // Replies to a message that arrived here.
+  void reply(const Message& request, Payload data, std::uint16_t enc = kEncRaw);
+  // Calls fn(reason) once when `context_id` disconnects (or is unreachable).
+  void on_disconnect(std::uint32_t context_id, std::function<void(const std::string&)> fn);
+  std::uint32_t allocate_id();
+  RouterStats stats();
+  // While held, a message for a handle nobody registered yet waits (up to
+  // kMaxHeldMessages) instead of getting "invalid handle": a starting child
+  // holds until its main has registered its handlers. Releasing dispatches
+  // what waited, in order.
+  static constexpr std::size_t kMaxHeldMessages = 10000;
+  void hold_unknown_handles(bool hold);
+
+  // --- streams ---
+  // Connects this (non-root) router to its parent over the given fds and
+  // blocks until the handshake completes. Throws Error on failure.
+  void attach_parent(int read_fd, int write_fd);
+  // Broker thread: adds a child stream whose context id is already known.
+  std::shared_ptr<Stream> add_child_stream(int read_fd, int write_fd, std::uint32_t child_id,
+                                           const std::string& name);
+
+  // StreamListener (broker thread)
+  void on_stream_open(Stream& s) override;
+  void on_stream_message(Stream& s, Message&& m) override;
+  void on_stream_batch_end(Stream& s) override;
+  void on_stream_invalid(Stream& s, const ParseResult& r) override;
+  void on_stream_closed(Stream& s, const std::string& reason, std::vector<Message> unsent) override;
+  // ShutdownParticipant (broker thread)
+  void on_shutdown_begin() override;
+  void on_shutdown_deadline() override;
+
+ private:
+  struct Link {
+    std::shared_ptr<Stream> stream;
+    StreamRole role;
+    std::uint32_t remote_id = 0;
+    std::string name;
+    std::unordered_set<std::uint32_t> behind;   // contexts routed through this link
+    std::unordered_set<std::uint32_t> egress;   // contexts this link sent to
+  };
+  struct Outgoing {
+    Message msg;
+    std::shared_ptr<OutputGauge> gauge;  // charged on the sender's thread
+  };
+
+  // broker thread
+  void drain_outbox();
+  void route_local_origin(Outgoing&& out);
+  void forward(Link& in, Message&& m);
+  void deliver(Message&& m, Link* in);
+  void dispatch_local(Message&& m, Link* in);
+  bool handle_control(Link& in, Message& m);
+  void send_dead(const Message& about, std::string reason);
+  void send_internal(Message&& m);  // charge-free, broker thread: control and dead
+  bool enqueue_on(Link& out, Message&& m, std::size_t charged);
+  Link* route_for(std::uint32_t dst);
+  Link* link_of(const Stream& s);
+  void add_route(std::uint32_t id, Link& via);
+  void remove_route(std::uint32_t id, const std::string& reason);
+  void context_gone(std::uint32_t id, const std::string& reason);
+  void announce(std::uint32_t handle, const std::string& payload, Link* skip,
+                const std::unordered_set<Link*>& to);
+  void maybe_drained();
+  void register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint32_t remote_id,
+                     const std::string& name);
+  std::shared_ptr<OutputGauge> gauge_for(std::uint32_t dst);
+  void fail_handlers(std::vector<Handler> hs, const std::string& reason);
+
+  Broker& broker_;
+  RouterOptions opts_;
+  std::atomic<std::uint32_t> id_{0};
+  std::atomic<std::uint32_t> next_id_{1};  // root only
+  HandlerTable handlers_;
+
+  // broker thread only
+  std::unordered_map<Stream*, std::unique_ptr<Link>> links_;
+  std::unordered_map<std::uint32_t, Link*> routes_;
+  Link* parent_ = nullptr;
+  std::unordered_set<Stream*> dirty_;
+  int batch_depth_ = 0;
+  bool shutting_down_ = false;
+  bool hold_unknown_ = false;
+  std::vector<Message> held_unknown_;
+  RouterStats stats_;
+
+  // any thread
+  std::mutex gauges_mu_;
+  std::unordered_map<std::uint32_t, std::shared_ptr<OutputGauge>> gauges_;
+  std::shared_ptr<OutputGauge> parent_gauge_;
+  std::optional<std::uint32_t> parent_id_;  // guarded by gauges_mu_
+
+  std::mutex outbox_mu_;
+  std::vector<Outgoing> outbox_;
+
+  std::mutex disconnect_mu_;
+  std::unordered_map<std::uint32_t, std::vector<std::function<void(const std::string&)>>>
+      disconnect_watchers_;
+
+  // attach_parent's handshake result
+  std::promise<std::string> parent_ready_;
+  bool parent_ready_set_ = false;
+};
+
+}  // namespace spindle

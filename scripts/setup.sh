@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Install the Debian 12 packages Spindle needs to build and test.
+# Idempotent: does nothing when everything is already installed.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential
+  cmake
+  pkg-config
+  libasio-dev
+  libboost-dev
+  libspdlog-dev
+  libgtest-dev
+  googletest
+  python3
+)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  status="$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)"
+  if [[ "$status" != "install ok installed" ]]; then
+    missing+=("$pkg")
+  fi
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "setup: all required packages are installed"
+  exit 0
+fi
+
+echo "setup: missing packages: ${missing[*]}"
+
+if [[ "$(id -u)" -ne 0 ]]; then
+  echo "setup: error: not running as root, cannot install packages." >&2
+  echo "setup: run:  sudo apt-get update && sudo apt-get install -y ${missing[*]}" >&2
+  exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get update
+apt-get install -y --no-install-recommends "${missing[@]}"
+echo "setup: installed: ${missing[*]}"

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Build and run the whole Spindle test suite in several flavours:
+#   plain  RelWithDebInfo                      -> build-plain/
+#   asan   ASan + UBSan (-O1 -g, no benches)   -> build-asan/
+#   tsan   TSan         (-O1 -g, no benches)   -> build-tsan/
+# Choose flavours with SPINDLE_FLAVOURS (default "plain asan tsan"),
+# e.g. SPINDLE_FLAVOURS=plain bash scripts/test.sh
+# Stops at the first flavour that fails and exits non-zero.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/setup.sh
+
+read -r -a FLAVOURS <<< "${SPINDLE_FLAVOURS:-plain asan tsan}"
+JOBS="${SPINDLE_JOBS:-2}"
+
+# Any sanitizer report must fail the test that produced it.
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
+
+for f in "${FLAVOURS[@]}"; do
+  case "$f" in
+    plain|asan|tsan) ;;
+    *) echo "test: unknown flavour '$f' (expected plain, asan or tsan)" >&2
+       exit 2 ;;
+  esac
+done
+
+banner() {
+  echo
+  echo "=================================================================="
+  echo "== $*"
+  echo "=================================================================="
+}
+
+# TSan in older GCCs cannot cope with the high mmap entropy of some newer
+# kernels ("unexpected memory mapping"). If a trivial TSan program fails,
+# run that flavour's build and tests with ASLR disabled.
+tsan_wrapper() {
+  local dir
+  dir="$(mktemp -d)"
+  printf '#include <thread>\nint main(){int x=0;std::thread t([&]{x=1;});t.join();return x-1;}\n' \
+    > "$dir/probe.cpp"
+  if ! c++ -std=c++20 -fsanitize=thread -g "$dir/probe.cpp" -o "$dir/probe" \
+       >/dev/null 2>&1; then
+    rm -rf "$dir"; return 0   # let the real build report the problem
+  fi
+  if ! "$dir/probe" >/dev/null 2>&1 \
+     && setarch "$(uname -m)" -R "$dir/probe" >/dev/null 2>&1; then
+    echo "setarch $(uname -m) -R"
+  fi
+  rm -rf "$dir"
+}
+
+declare -A RESULT=()
+declare -A ELAPSED=()
+declare -A COUNTS=()
+total_passed=0
+total_failed=0
+failed_flavour=""
+
+for flavour in "${FLAVOURS[@]}"; do
+  builddir="build-$flavour"
+  args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo
+        -DSPINDLE_SANITIZE_ADDRESS=OFF -DSPINDLE_SANITIZE_THREAD=OFF)
+  wrapper=()
+  case "$flavour" in
+    plain)
+      args+=(-DSPINDLE_BUILD_BENCH=ON) ;;
+    asan)
+      args+=(-DSPINDLE_SANITIZE_ADDRESS=ON -DSPINDLE_BUILD_BENCH=OFF
+             "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g") ;;
+    tsan)
+      args+=(-DSPINDLE_SANITIZE_THREAD=ON -DSPINDLE_BUILD_BENCH=OFF
+             "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g")
+      read -r -a wrapper <<< "$(tsan_wrapper)"
+      if [[ ${#wrapper[@]} -gt 0 ]]; then
+        echo "test: TSan needs ASLR off on this kernel; using: ${wrapper[*]}"
+      fi ;;
+  esac
+
+  banner "flavour: $flavour  (dir: $builddir)"
+  start=$SECONDS
+  status=0
+  stage=""
+
+  stage=configure
+  if cmake -S . -B "$builddir" "${args[@]}"; then
+    stage=build
+    if "${wrapper[@]}" cmake --build "$builddir" -j"$JOBS"; then
+      stage="test"
+      log="$builddir/ctest.log"
+      if ! "${wrapper[@]}" ctest --test-dir "$builddir" --output-on-failure \
+             -j"$JOBS" --timeout 300 --no-tests=error 2>&1 | tee "$log"; then
+        status=1
+      fi
+      line="$(grep -E '[0-9]+% tests passed, [0-9]+ tests? failed out of [0-9]+' \
+                "$log" | tail -n1 || true)"
+      if [[ "$line" =~ ([0-9]+)\ tests?\ failed\ out\ of\ ([0-9]+) ]]; then
+        nfail="${BASH_REMATCH[1]}"
+        ntotal="${BASH_REMATCH[2]}"
+        COUNTS[$flavour]="$((ntotal - nfail))/$ntotal tests passed"
+        total_passed=$((total_passed + ntotal - nfail))
+        total_failed=$((total_failed + nfail))
+      elif [[ $status -ne 0 ]]; then
+        total_failed=$((total_failed + 1))
+      fi
+    else
+      status=1
+    fi
+  else
+    status=1
+  fi
+
+  ELAPSED[$flavour]=$((SECONDS - start))
+  if [[ $status -eq 0 ]]; then
+    RESULT[$flavour]="PASS"
+    banner "flavour $flavour: PASS in ${ELAPSED[$flavour]} s"
+  else
+    RESULT[$flavour]="FAIL ($stage)"
+    banner "flavour $flavour: FAILED at $stage after ${ELAPSED[$flavour]} s"
+    failed_flavour="$flavour"
+    break
+  fi
+done
+
+echo
+echo "Summary:"
+for flavour in "${FLAVOURS[@]}"; do
+  if [[ -n "${RESULT[$flavour]:-}" ]]; then
+    printf '  %-6s %-16s %5s s  %s\n' "$flavour" "${RESULT[$flavour]}" \
+      "${ELAPSED[$flavour]}" "${COUNTS[$flavour]:-}"
+  else
+    printf '  %-6s %-16s %5s    (not run: stopped after %s failed)\n' \
+      "$flavour" "SKIPPED" "-" "$failed_flavour"
+  fi
+done
+
+if [[ -n "$failed_flavour" ]]; then
+  echo "test: flavour '$failed_flavour' failed; see output above" >&2
+  echo "total: $total_passed passed, $total_failed failed"
+  exit 1
+fi
+echo "total: $total_passed passed, $total_failed failed"

@@ -1,0 +1,149 @@
+#include "stream/handshake.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace spindle {
+namespace {
+
+constexpr std::uint8_t kMagicHello[4] = {'S', 'P', 'D', 'L'};
+constexpr std::uint8_t kMagicRefusal[4] = {'S', 'P', 'N', 'O'};
+
+void put16(std::vector<std::uint8_t>& v, std::uint16_t x) {
+  v.push_back(static_cast<std::uint8_t>(x >> 8));
+  v.push_back(static_cast<std::uint8_t>(x));
+}
+void put32(std::vector<std::uint8_t>& v, std::uint32_t x) {
+  for (int i = 3; i >= 0; --i) v.push_back(static_cast<std::uint8_t>(x >> (8 * i)));
+}
+std::uint16_t get16(const std::uint8_t* p) { return static_cast<std::uint16_t>((p[0] << 8) | p[1]); }
+std::uint32_t get32(const std::uint8_t* p) {
+  return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
+         std::uint32_t{p[3]};
+}
+
+}  // namespace
+
+std::vector<std::uint8_t> encode_hello(std::uint16_t version, std::uint16_t flags,
+                                       std::uint32_t pid) {
+  std::vector<std::uint8_t> v(kMagicHello, kMagicHello + 4);
+  put16(v, version);
+  put16(v, flags);
+  put32(v, pid);
+  return v;
+}
+
+std::vector<std::uint8_t> encode_welcome(std::uint16_t flags, std::uint32_t your_id,
+                                         std::uint32_t server_id, std::uint32_t server_pid,
+                                         std::uint32_t max_message_size) {
+  std::vector<std::uint8_t> v(kMagicHello, kMagicHello + 4);
+  put16(v, kProtocolVersion);
+  put16(v, flags);
+  put32(v, your_id);
+  put32(v, server_id);
+  put32(v, server_pid);
+  put32(v, max_message_size);
+  return v;
+}
+
+std::vector<std::uint8_t> encode_refusal(const std::string& reason) {
+  std::vector<std::uint8_t> v(kMagicRefusal, kMagicRefusal + 4);
+  std::size_t n = std::min(reason.size(), kMaxRefusalReason);
+  put16(v, static_cast<std::uint16_t>(n));
+  v.insert(v.end(), reason.begin(), reason.begin() + static_cast<std::ptrdiff_t>(n));
+  return v;
+}
+
+std::vector<std::uint8_t> ClientHandshake::greeting() {
+  return encode_hello(kProtocolVersion, flags_, pid_);
+}
+
+HandshakeResult ClientHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>&) {
+  HandshakeResult r;
+  if (rx.readable() < 6) return r;
+  std::uint8_t head[6];
+  rx.peek(head, 6);
+  if (std::memcmp(head, kMagicRefusal, 4) == 0) {
+    std::size_t len = get16(head + 4);
+    if (rx.readable() < 6 + len) return r;
+    std::string reason(6 + len, '\0');
+    rx.read_into(reinterpret_cast<std::uint8_t*>(reason.data()), reason.size());
+    r.status = HandshakeStatus::kInvalid;
+    r.consumed = 6 + len;
+    r.error = "refused by peer: " + reason.substr(6);
+    return r;
+  }
+  if (std::memcmp(head, kMagicHello, 4) != 0) {
+    r.status = HandshakeStatus::kInvalid;
+    r.error = fmt::format("bad handshake magic {:02x}{:02x}{:02x}{:02x}: peer is not a Spindle server",
+                          head[0], head[1], head[2], head[3]);
+    return r;
+  }
+  if (rx.readable() < kWelcomeSize) return r;
+  std::uint8_t w[kWelcomeSize];
+  rx.read_into(w, kWelcomeSize);
+  r.consumed = kWelcomeSize;
+  peer_.version = get16(w + 4);
+  peer_.flags = get16(w + 6);
+  peer_.local_id = get32(w + 8);
+  peer_.remote_id = get32(w + 12);
+  peer_.pid = get32(w + 16);
+  peer_.max_message_size = get32(w + 20);
+  if (peer_.version != kProtocolVersion) {
+    r.status = HandshakeStatus::kInvalid;
+    r.error = fmt::format("unsupported protocol version {} (this side speaks {})", peer_.version,
+                          kProtocolVersion);
+    return r;
+  }
+  r.status = HandshakeStatus::kComplete;
+  return r;
+}
+
+HandshakeResult ServerHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>& reply) {
+  HandshakeResult r;
+  if (rx.readable() < kHelloSize) {
+    // Reject garbage as soon as the magic is visibly wrong.
+    std::size_t n = std::min<std::size_t>(rx.readable(), 4);
+    std::uint8_t head[4];
+    rx.peek(head, n);
+    if (std::memcmp(head, kMagicHello, n) == 0) return r;
+  }
+  std::uint8_t h[kHelloSize];
+  std::size_t have = std::min(rx.readable(), kHelloSize);
+  rx.peek(h, have);
+  if (std::memcmp(h, kMagicHello, std::min<std::size_t>(have, 4)) != 0) {
+    r.status = HandshakeStatus::kInvalid;
+    r.error = "bad handshake magic: client is not a Spindle client";
+    reply = encode_refusal(r.error);
+    return r;
+  }
+  rx.drop(kHelloSize);
+  r.consumed = kHelloSize;
+  peer_.version = get16(h + 4);
+  peer_.flags = get16(h + 6);
+  peer_.pid = get32(h + 8);
+  if (peer_.version != kProtocolVersion) {
+    r.status = HandshakeStatus::kInvalid;
+    r.error = fmt::format("unsupported protocol version {} (server speaks {})", peer_.version,
+                          kProtocolVersion);
+    reply = encode_refusal(r.error);
+    return r;
+  }
+  Assignment a = assign_(peer_);
+  if (auto* reason = std::get_if<std::string>(&a)) {
+    r.status = HandshakeStatus::kInvalid;
+    r.error = *reason;
+    reply = encode_refusal(*reason);
+    return r;
+  }
+  peer_.remote_id = std::get<std::uint32_t>(a);
+  peer_.local_id = own_id_;
+  peer_.max_message_size = max_message_size_;
+  reply = encode_welcome(kFlagNone, peer_.remote_id, own_id_, own_pid_, max_message_size_);
+  r.status = HandshakeStatus::kComplete;
+  return r;
+}
+
+}  // namespace spindle

@@ -1,0 +1,115 @@
+// Handshake: the small protocol a connection speaks before it carries frames.
+//
+// The connecting side (a child, or a client of spindle-router) sends a 12-byte
+// hello; the accepting side answers with a 24-byte welcome that assigns the
+// client its context id, or with a refusal that says why. Bytes that follow the
+// handshake stay in the stream's RxBuffer and become the message protocol's
+// first input: the live connection is handed over without losing a byte.
+//
+//   hello   (client -> server, 12 bytes): "SPDL" version:u16 flags:u16 pid:u32
+//   welcome (server -> client, 24 bytes): "SPDL" version:u16 flags:u16
+//            your_id:u32 server_id:u32 server_pid:u32 max_message_size:u32
+//   refusal (server -> client): "SPNO" length:u16 reason:bytes[length]
+//
+// All integers are big-endian. A Mitogen client's first byte is always 0x00
+// (its 4-byte pid is < 2^22), a Spindle hello's is 'S': the two dialects can
+// share one listening socket.
+//
+// Each object is driven by its Stream on the broker thread; consume() never
+// blocks, it returns complete, need-more or invalid and how much it consumed.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "stream/rx_buffer.h"
+
+namespace spindle {
+
+inline constexpr std::uint16_t kProtocolVersion = 1;
+inline constexpr std::size_t kHelloSize = 12;
+inline constexpr std::size_t kWelcomeSize = 24;
+inline constexpr std::size_t kMaxRefusalReason = 1024;
+
+enum HandshakeFlag : std::uint16_t {
+  kFlagNone = 0,
+};
+
+// What each side learns about the other.
+struct PeerInfo {
+  std::uint16_t version = 0;
+  std::uint16_t flags = 0;
+  std::uint32_t pid = 0;               // the peer's pid
+  std::uint32_t local_id = 0;          // our context id (assigned by the server)
+  std::uint32_t remote_id = 0;         // the peer's context id
+  std::uint32_t max_message_size = 0;  // the server's limit (client side only)
+};
+
+enum class HandshakeStatus { kComplete, kNeedMore, kInvalid };
+
+struct HandshakeResult {
+  HandshakeStatus status = HandshakeStatus::kNeedMore;
+  std::size_t consumed = 0;
+  std::string error;
+};
+
+class Handshake {
+ public:
+  virtual ~Handshake() = default;
+  // Bytes to send as soon as the connection starts (empty for the server).
+  virtual std::vector<std::uint8_t> greeting() = 0;
+  // Consumes handshake bytes from rx. May append bytes to send to `reply`
+  // (sent even when the result is kInvalid: a refusal explains itself).
+  virtual HandshakeResult consume(RxBuffer& rx, std::vector<std::uint8_t>& reply) = 0;
+  const PeerInfo& peer() const { return peer_; }
+
+ protected:
+  PeerInfo peer_;
+};
+
+// The connecting side.
+class ClientHandshake final : public Handshake {
+ public:
+  explicit ClientHandshake(std::uint32_t pid, std::uint16_t flags = kFlagNone)
+      : pid_(pid), flags_(flags) {}
+  std::vector<std::uint8_t> greeting() override;
+  HandshakeResult consume(RxBuffer& rx, std::vector<std::uint8_t>& reply) override;
+
+ private:
+  std::uint32_t pid_;
+  std::uint16_t flags_;
+};
+
+// The accepting side. `assign` sees the client's hello and returns the id to
+// give it, or a refusal reason.
+class ServerHandshake final : public Handshake {
+ public:
+  using Assignment = std::variant<std::uint32_t, std::string>;
+  using AssignFn = std::function<Assignment(const PeerInfo& hello)>;
+
+  ServerHandshake(std::uint32_t own_id, std::uint32_t own_pid, std::uint32_t max_message_size,
+                  AssignFn assign)
+      : own_id_(own_id), own_pid_(own_pid), max_message_size_(max_message_size),
+        assign_(std::move(assign)) {}
+  std::vector<std::uint8_t> greeting() override { return {}; }
+  HandshakeResult consume(RxBuffer& rx, std::vector<std::uint8_t>& reply) override;
+
+ private:
+  std::uint32_t own_id_;
+  std::uint32_t own_pid_;
+  std::uint32_t max_message_size_;
+  AssignFn assign_;
+};
+
+// Encoders, shared with tests and independent clients.
+std::vector<std::uint8_t> encode_hello(std::uint16_t version, std::uint16_t flags,
+                                       std::uint32_t pid);
+std::vector<std::uint8_t> encode_welcome(std::uint16_t flags, std::uint32_t your_id,
+                                         std::uint32_t server_id, std::uint32_t server_pid,
+                                         std::uint32_t max_message_size);
+std::vector<std::uint8_t> encode_refusal(const std::string& reason);
+
+}  // namespace spindle

@@ -1,0 +1,51 @@
+// OutputGauge: the high-water mark on one stream's output queue.
+//
+// Every byte queued for a stream is charged here first and released once it
+// is written (or dropped with the stream). Policy, as documented in
+// docs/PROTOCOL.md ("Back-pressure"):
+//   - a user thread sending through the router waits while the queue is at or
+//     over the mark, up to its deadline, then gets QueueFullError;
+//   - the broker thread never waits: a message it would queue over the mark
+//     (a forwarded frame) is refused, and its sender gets a dead reply.
+// An empty queue always admits one message, so a single message larger than
+// the mark still goes through; the queue never grows past mark + one message.
+//
+// Thread safety: all members are safe from any thread. Shared (shared_ptr)
+// between the stream on the broker thread and senders on other threads.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <mutex>
+
+namespace spindle {
+
+inline constexpr std::size_t kDefaultHighWaterMark = 64u << 20;  // 64 MiB
+
+class OutputGauge {
+ public:
+  enum class Admit { kOk, kTimeout, kClosed };
+
+  explicit OutputGauge(std::size_t high_water_mark = kDefaultHighWaterMark) : hwm_(high_water_mark) {}
+
+  bool try_acquire(std::size_t n);
+  Admit acquire(std::size_t n, std::chrono::steady_clock::time_point deadline);
+  void release(std::size_t n);
+  void close();
+
+  std::size_t queued() const { return queued_.load(std::memory_order_relaxed); }
+  std::size_t high_water_mark() const { return hwm_; }
+  bool closed() const { return closed_.load(std::memory_order_acquire); }
+
+ private:
+  const std::size_t hwm_;
+  std::atomic<std::size_t> queued_{0};
+  std::atomic<int> waiters_{0};
+  std::atomic<bool> closed_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+}  // namespace spindle

@@ -1,0 +1,51 @@
+#include "stream/payload.h"
+
+#include <cstring>
+
+namespace spindle {
+
+Payload Payload::copy_of(std::span<const std::uint8_t> bytes) {
+  if (bytes.empty()) return {};
+  auto chunk = std::make_shared<Chunk>(bytes.size());
+  std::memcpy(chunk->data(), bytes.data(), bytes.size());
+  return adopt(std::move(chunk), bytes.size());
+}
+
+Payload Payload::copy_of(std::string_view bytes) {
+  return copy_of(std::span<const std::uint8_t>(
+      reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()));
+}
+
+Payload Payload::adopt(std::shared_ptr<const Chunk> chunk, std::size_t size) {
+  Payload p;
+  const std::uint8_t* data = chunk->data();
+  p.append(Slice{std::move(chunk), data, size});
+  return p;
+}
+
+void Payload::append(Slice s) {
+  if (s.size == 0) return;
+  size_ += s.size;
+  slices_.push_back(std::move(s));
+}
+
+std::string Payload::to_string() const {
+  std::string out(size_, '\0');
+  copy_to(reinterpret_cast<std::uint8_t*>(out.data()));
+  return out;
+}
+
+void Payload::copy_to(std::uint8_t* out) const {
+  for (const Slice& s : slices_) {
+    std::memcpy(out, s.data, s.size);
+    out += s.size;
+  }
+}
+
+std::span<const std::uint8_t> Payload::contiguous() const {
+  if (slices_.empty()) return {};
+  if (slices_.size() != 1) return {};
+  return {slices_[0].data, slices_[0].size};
+}
+
+}  // namespace spindle

@@ -1,0 +1,68 @@
+// Payload: a message body held as a chain of reference-counted slices.
+//
+// Received bytes land in 128 KiB chunks (see rx_buffer.h); a payload points
+// into those chunks instead of copying them out, and a large body is read
+// straight into one buffer of exactly its size. Either way a message costs
+// its own size once: nothing here ever joins slices into a second copy unless
+// the caller asks for one (to_string / copy_to).
+//
+// Thread safety: a Payload is immutable once built and may be read from any
+// thread; the chunks it points into are never written in the ranges it holds.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace spindle {
+
+// A heap buffer of fixed capacity. Not zero-filled: every byte handed out has
+// been written by a read() or a copy first.
+class Chunk {
+ public:
+  explicit Chunk(std::size_t capacity)
+      : data_(std::make_unique_for_overwrite<std::uint8_t[]>(capacity)), capacity_(capacity) {}
+  std::uint8_t* data() { return data_.get(); }
+  const std::uint8_t* data() const { return data_.get(); }
+  std::size_t capacity() const { return capacity_; }
+
+ private:
+  std::unique_ptr<std::uint8_t[]> data_;
+  std::size_t capacity_;
+};
+
+struct Slice {
+  std::shared_ptr<const Chunk> owner;  // keeps the bytes alive
+  const std::uint8_t* data = nullptr;
+  std::size_t size = 0;
+};
+
+class Payload {
+ public:
+  Payload() = default;
+  static Payload copy_of(std::string_view bytes);
+  static Payload copy_of(std::span<const std::uint8_t> bytes);
+  // One slice over the first `size` bytes of `chunk`.
+  static Payload adopt(std::shared_ptr<const Chunk> chunk, std::size_t size);
+
+  void append(Slice s);
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const std::vector<Slice>& slices() const { return slices_; }
+
+  // Explicit copies, for small payloads and for callers that need contiguity.
+  std::string to_string() const;
+  void copy_to(std::uint8_t* out) const;
+  // The bytes without a copy, when they already sit in one slice.
+  std::span<const std::uint8_t> contiguous() const;
+
+ private:
+  std::vector<Slice> slices_;
+  std::size_t size_ = 0;
+};
+
+}  // namespace spindle

@@ -1,0 +1,98 @@
+#include "stream/rx_buffer.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cstring>
+
+namespace spindle {
+
+std::shared_ptr<Chunk> RxBuffer::new_chunk() { return std::make_shared<Chunk>(kChunkSize); }
+
+std::span<std::uint8_t> RxBuffer::write_space() {
+  if (chunks_.empty()) {
+    chunks_.push_back(new_chunk());
+    head_ = tail_ = 0;
+  } else if (tail_ == chunks_.back()->capacity()) {
+    chunks_.push_back(new_chunk());
+    tail_ = 0;
+  }
+  Chunk& back = *chunks_.back();
+  return {back.data() + tail_, back.capacity() - tail_};
+}
+
+void RxBuffer::commit(std::size_t n) {
+  assert(!chunks_.empty() && tail_ + n <= chunks_.back()->capacity());
+  tail_ += n;
+  readable_ += n;
+}
+
+void RxBuffer::peek(std::uint8_t* out, std::size_t n) const {
+  assert(n <= readable_);
+  std::size_t off = head_;
+  for (std::size_t i = 0; n > 0; ++i) {
+    const Chunk& c = *chunks_[i];
+    std::size_t end = (i + 1 == chunks_.size()) ? tail_ : c.capacity();
+    std::size_t len = std::min(n, end - off);
+    std::memcpy(out, c.data() + off, len);
+    out += len;
+    n -= len;
+    off = 0;
+  }
+}
+
+Payload RxBuffer::take(std::size_t n) {
+  assert(n <= readable_);
+  Payload p;
+  while (n > 0) {
+    const std::shared_ptr<Chunk>& c = chunks_.front();
+    std::size_t end = (chunks_.size() == 1) ? tail_ : c->capacity();
+    std::size_t len = std::min(n, end - head_);
+    p.append(Slice{c, c->data() + head_, len});
+    head_ += len;
+    readable_ -= len;
+    n -= len;
+    release_consumed_front();
+  }
+  return p;
+}
+
+void RxBuffer::drop(std::size_t n) {
+  assert(n <= readable_);
+  while (n > 0) {
+    std::size_t end = (chunks_.size() == 1) ? tail_ : chunks_.front()->capacity();
+    std::size_t len = std::min(n, end - head_);
+    head_ += len;
+    readable_ -= len;
+    n -= len;
+    release_consumed_front();
+  }
+}
+
+void RxBuffer::read_into(std::uint8_t* out, std::size_t n) {
+  peek(out, n);
+  drop(n);
+}
+
+// Retires fully consumed chunks. The last chunk is kept for further writes; if
+// nobody else references it, its space is rewound so it can be reused whole.
+void RxBuffer::release_consumed_front() {
+  while (!chunks_.empty()) {
+    bool last = chunks_.size() == 1;
+    std::size_t end = last ? tail_ : chunks_.front()->capacity();
+    if (head_ < end) return;
+    if (!last) {
+      chunks_.pop_front();
+      head_ = 0;
+      continue;
+    }
+    if (chunks_.front().use_count() == 1) {
+      head_ = tail_ = 0;
+    } else if (tail_ == chunks_.front()->capacity()) {
+      chunks_.pop_front();
+      head_ = tail_ = 0;
+    }
+    return;
+  }
+}
+
+}  // namespace spindle

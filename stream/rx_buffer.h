@@ -1,0 +1,51 @@
+// RxBuffer: received bytes, held in a deque of 128 KiB chunks.
+//
+// The reader asks for write_space(), reads into it and commit()s what arrived.
+// The consumer peeks at a prefix (a frame header), then take()s a prefix as a
+// Payload that shares the chunks, or drop()s it. A chunk that a payload still
+// references is never reused for new data before the payload lets go; bytes
+// after the payload's range may still be appended to it, which is safe because
+// nobody reads them until they are committed.
+//
+// Thread safety: owned by one Stream and used only on the broker thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+
+#include "stream/payload.h"
+
+namespace spindle {
+
+inline constexpr std::size_t kChunkSize = 128 * 1024;
+
+class RxBuffer {
+ public:
+  // Free space at the tail; never empty (a new chunk is appended if needed).
+  std::span<std::uint8_t> write_space();
+  void commit(std::size_t n);
+  // Copies `n` bytes (n <= readable()) into `out` without consuming them.
+  void peek(std::uint8_t* out, std::size_t n) const;
+  // Consumes `n` bytes and returns them as slices of the chunks.
+  Payload take(std::size_t n);
+  void drop(std::size_t n);
+  // Copies `n` bytes out and consumes them.
+  void read_into(std::uint8_t* out, std::size_t n);
+
+  std::size_t readable() const { return readable_; }
+  std::size_t chunk_count() const { return chunks_.size(); }
+
+ private:
+  std::shared_ptr<Chunk> new_chunk();
+  void release_consumed_front();
+
+  std::deque<std::shared_ptr<Chunk>> chunks_;
+  std::size_t head_ = 0;  // read offset in chunks_.front()
+  std::size_t tail_ = 0;  // write offset in chunks_.back()
+  std::size_t readable_ = 0;
+};
+
+}  // namespace spindle

@@ -1,0 +1,360 @@
+// Reactor style: the stream waits for readiness with async_wait() and then
+// does its own non-blocking read()/writev()/sendmsg() on the fd, so it decides
+// exactly where bytes land (chunk or direct body) and how writes are gathered.
+// A read batch is bounded (kMaxReadsPerWake) so one busy peer cannot starve
+// the others sharing the broker thread.
+#include "stream/stream.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <system_error>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+
+namespace spindle {
+namespace {
+
+constexpr int kMaxReadsPerWake = 16;
+constexpr int kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
+
+void set_nonblocking(int fd) {
+  int fl = ::fcntl(fd, F_GETFL);
+  if (fl < 0 || ::fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0)
+    throw std::system_error(errno, std::generic_category(), "fcntl(O_NONBLOCK)");
+}
+
+bool fd_is_socket(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) < 0) throw std::system_error(errno, std::generic_category(), "fstat");
+  return S_ISSOCK(st.st_mode);
+}
+
+// SIGPIPE is blocked on the broker thread; a write to a closed pipe leaves one
+// pending. Consume it so it is never delivered later.
+void consume_pending_sigpipe() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  struct timespec zero {};
+  while (::sigtimedwait(&set, nullptr, &zero) == SIGPIPE) {
+  }
+}
+
+std::string failure(const char* what, int err) {
+  return std::string(what) + ": " + errno_text(err);
+}
+
+}  // namespace
+
+const char* to_string(StreamState s) {
+  switch (s) {
+    case StreamState::kHandshaking: return "handshaking";
+    case StreamState::kOpen: return "open";
+    case StreamState::kDraining: return "draining";
+    case StreamState::kClosed: return "closed";
+  }
+  return "?";
+}
+
+std::shared_ptr<Stream> Stream::create(Broker& broker, int read_fd, int write_fd,
+                                       StreamOptions opts, std::unique_ptr<Handshake> handshake,
+                                       StreamListener* listener) {
+  return std::shared_ptr<Stream>(
+      new Stream(broker, read_fd, write_fd, std::move(opts), std::move(handshake), listener));
+}
+
+Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
+               std::unique_ptr<Handshake> handshake, StreamListener* listener)
+    : broker_(broker),
+      opts_(std::move(opts)),
+      listener_(listener),
+      rd_(broker.io()),
+      handshake_(std::move(handshake)),
+      gauge_(std::make_shared<OutputGauge>(opts_.high_water_mark)),
+      handshake_timer_(broker.io()) {
+  set_nonblocking(read_fd);
+  rd_.assign(read_fd);
+  if (write_fd != read_fd) {
+    set_nonblocking(write_fd);
+    wr_.emplace(broker.io());
+    wr_->assign(write_fd);
+  }
+  is_socket_ = fd_is_socket(write_fd);
+}
+
+Stream::~Stream() {
+  std::error_code ignored;
+  rd_.close(ignored);
+  if (wr_) wr_->close(ignored);
+}
+
+void Stream::start() {
+  if (handshake_) {
+    queue_raw(handshake_->greeting());
+    handshake_timer_.expires_after(opts_.handshake_timeout);
+    handshake_timer_.async_wait([self = shared_from_this()](const std::error_code& ec) {
+      if (ec == asio::error::operation_aborted) return;
+      if (self->state_ == StreamState::kHandshaking)
+        self->close("handshake timed out after " +
+                    std::to_string(self->opts_.handshake_timeout.count()) + " ms");
+    });
+    flush();
+  } else {
+    state_ = StreamState::kOpen;
+    parser_.emplace(rx_, opts_.max_message_size);
+  }
+  arm_read();
+}
+
+void Stream::arm_read() {
+  if (read_armed_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  read_armed_ = true;
+  rd_.async_wait(asio::posix::descriptor_base::wait_read,
+                 [self = shared_from_this()](const std::error_code& ec) {
+                   self->read_armed_ = false;
+                   if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed)
+                     return;
+                   if (ec) return self->close("wait for input failed: " + ec.message());
+                   self->on_readable();
+                 });
+}
+
+void Stream::arm_write() {
+  if (write_armed_ || state_ == StreamState::kClosed) return;
+  write_armed_ = true;
+  writer().async_wait(asio::posix::descriptor_base::wait_write,
+                      [self = shared_from_this()](const std::error_code& ec) {
+                        self->write_armed_ = false;
+                        if (ec == asio::error::operation_aborted ||
+                            self->state_ == StreamState::kClosed)
+                          return;
+                        if (ec) return self->close("wait for output failed: " + ec.message());
+                        self->flush();
+                      });
+}
+
+void Stream::on_readable() {
+  for (int i = 0; i < kMaxReadsPerWake; ++i) {
+    std::span<std::uint8_t> target = parser_ ? parser_->read_target() : rx_.write_space();
+    ssize_t n = ::read(rd_.native_handle(), target.data(), target.size());
+    if (n > 0) {
+      if (parser_) parser_->commit(static_cast<std::size_t>(n));
+      else rx_.commit(static_cast<std::size_t>(n));
+      stats_.bytes_in += static_cast<std::uint64_t>(n);
+      process_input();
+      if (state_ == StreamState::kClosed || close_after_flush_) return;
+      if (static_cast<std::size_t>(n) < target.size()) break;  // likely drained the socket
+      continue;
+    }
+    if (n == 0) return on_eof();
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+    if (errno == ECONNRESET) return close("connection reset by peer");
+    return close(failure("read", errno));
+  }
+  arm_read();
+}
+
+bool Stream::run_handshake() {
+  std::vector<std::uint8_t> reply;
+  HandshakeResult r = handshake_->consume(rx_, reply);
+  if (!reply.empty()) queue_raw(std::move(reply));
+  if (r.status == HandshakeStatus::kNeedMore) return true;
+  if (r.status == HandshakeStatus::kInvalid) {
+    log().warn("stream={} handshake failed: {}", name(), r.error);
+    close_reason_ = "handshake failed: " + r.error;
+    close_after_flush_ = true;
+    flush();
+    if (state_ != StreamState::kClosed && txq_.empty()) close(close_reason_);
+    return false;
+  }
+  peer_ = handshake_->peer();
+  handshake_.reset();
+  handshake_timer_.cancel();
+  state_ = StreamState::kOpen;
+  parser_.emplace(rx_, opts_.max_message_size);
+  for (OutFrame& f : held_) txq_.push_back(std::move(f));
+  held_.clear();
+  flush();
+  listener_->on_stream_open(*this);
+  return state_ != StreamState::kClosed;
+}
+
+void Stream::process_input() {
+  if (state_ == StreamState::kHandshaking && !run_handshake()) return;
+  if (!parser_) return;
+  while (state_ != StreamState::kClosed) {
+    Message m;
+    ParseResult r = parser_->next(m);
+    if (r.status == ParseStatus::kNeedMore) break;
+    if (r.status == ParseStatus::kInvalid) {
+      log().warn("stream={} protocol error: {}; disconnecting", name(), r.error);
+      listener_->on_stream_invalid(*this, r);
+      close_reason_ = "protocol error: " + r.error;
+      close_after_flush_ = true;
+      flush();
+      if (state_ != StreamState::kClosed && txq_.empty()) close(close_reason_);
+      return;
+    }
+    ++stats_.messages_in;
+    listener_->on_stream_message(*this, std::move(m));
+  }
+  if (state_ != StreamState::kClosed) listener_->on_stream_batch_end(*this);
+}
+
+void Stream::on_eof() {
+  eof_seen_ = true;
+  if (state_ == StreamState::kHandshaking) return close("peer closed during handshake");
+  if (parser_ && parser_->buffered() > 0)
+    return close("peer closed mid-message (" + std::to_string(parser_->buffered()) +
+                 " bytes of a partial frame)");
+  if (state_ == StreamState::kOpen) state_ = StreamState::kDraining;
+  // Answer the goodbye: flush, then half-close; closing follows from flush().
+  flush();
+  if (state_ != StreamState::kClosed && txq_.empty()) {
+    half_close();
+    close("peer closed the connection");
+  }
+}
+
+void Stream::queue_raw(std::vector<std::uint8_t> bytes) {
+  if (bytes.empty()) return;
+  OutFrame f;
+  f.has_header = false;
+  f.payload = Payload::copy_of(std::span<const std::uint8_t>(bytes));
+  txq_.push_back(std::move(f));
+}
+
+void Stream::enqueue(Message&& m, std::size_t charged) {
+  OutFrame f;
+  m.header.length = static_cast<std::uint32_t>(m.data.size());
+  f.header = encode_header(m.header);
+  f.payload = std::move(m.data);
+  f.charged = charged;
+  (state_ == StreamState::kHandshaking ? held_ : txq_).push_back(std::move(f));
+}
+
+void Stream::flush() {
+  if (write_armed_ || state_ == StreamState::kClosed || write_shut_) return;
+  const int fd = writer().native_handle();
+  while (!txq_.empty()) {
+    iovec iov[kMaxIov];
+    int cnt = 0;
+    std::size_t want = 0;
+    for (const OutFrame& f : txq_) {
+      std::size_t skip = f.sent;
+      if (f.has_header) {
+        if (skip < kHeaderSize) {
+          iov[cnt++] = {const_cast<std::uint8_t*>(f.header.data()) + skip, kHeaderSize - skip};
+          want += kHeaderSize - skip;
+          skip = 0;
+        } else {
+          skip -= kHeaderSize;
+        }
+      }
+      for (const Slice& s : f.payload.slices()) {
+        if (cnt == kMaxIov) break;
+        if (skip >= s.size) {
+          skip -= s.size;
+          continue;
+        }
+        iov[cnt++] = {const_cast<std::uint8_t*>(s.data) + skip, s.size - skip};
+        want += s.size - skip;
+        skip = 0;
+      }
+      if (cnt >= kMaxIov - 1) break;
+    }
+    ssize_t n;
+    if (is_socket_) {
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = static_cast<std::size_t>(cnt);
+      n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } else {
+      n = ::writev(fd, iov, cnt);
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_write();
+      int err = errno;
+      if (err == EPIPE && !is_socket_) consume_pending_sigpipe();
+      if (err == EPIPE || err == ECONNRESET) return close("peer closed the connection (" + std::string(errno_text(err)) + ")");
+      return close(failure("write", err));
+    }
+    ++stats_.writes;
+    stats_.bytes_out += static_cast<std::uint64_t>(n);
+    advance(static_cast<std::size_t>(n));
+    if (static_cast<std::size_t>(n) < want) return arm_write();
+  }
+  if (close_after_flush_) return close(close_reason_);
+  if (state_ == StreamState::kDraining) {
+    half_close();
+    if (eof_seen_) close("drained");
+  }
+}
+
+void Stream::advance(std::size_t n) {
+  while (n > 0) {
+    OutFrame& f = txq_.front();
+    std::size_t left = f.size() - f.sent;
+    if (n < left) {
+      f.sent += n;
+      return;
+    }
+    n -= left;
+    if (f.charged) gauge_->release(f.charged);
+    if (f.has_header) ++stats_.messages_out;
+    txq_.pop_front();
+  }
+}
+
+void Stream::drain() {
+  if (state_ == StreamState::kClosed || state_ == StreamState::kDraining) return;
+  if (state_ == StreamState::kHandshaking) return close("shutting down during handshake");
+  state_ = StreamState::kDraining;
+  flush();
+}
+
+void Stream::half_close() {
+  if (write_shut_ || state_ == StreamState::kClosed) return;
+  write_shut_ = true;
+  if (is_socket_ && !wr_) {
+    if (::shutdown(rd_.native_handle(), SHUT_WR) < 0 && errno != ENOTCONN)
+      log().debug("stream={} shutdown(SHUT_WR): {}", name(), errno_text(errno));
+  } else if (wr_) {
+    std::error_code ignored;
+    wr_->close(ignored);
+  }
+}
+
+void Stream::close(const std::string& reason) {
+  if (state_ == StreamState::kClosed) return;
+  state_ = StreamState::kClosed;
+  std::error_code ignored;
+  handshake_timer_.cancel();
+  rd_.close(ignored);
+  if (wr_) wr_->close(ignored);
+  std::vector<Message> unsent;
+  for (OutFrame& f : held_) txq_.push_back(std::move(f));
+  held_.clear();
+  for (OutFrame& f : txq_) {
+    if (f.charged) gauge_->release(f.charged);
+    if (!f.has_header || f.sent > 0) continue;  // partly written frames are lost with the link
+    unsent.push_back(Message{decode_header(f.header.data()), std::move(f.payload)});
+  }
+  txq_.clear();
+  gauge_->close();
+  log().debug("stream={} closed: {}", name(), reason);
+  listener_->on_stream_closed(*this, reason, std::move(unsent));
+}
+
+}  // namespace spindle

@@ -1,0 +1,163 @@
+// Stream: one connection, and the state machine it runs.
+//
+//   handshaking --(handshake complete)--> open --(drain / peer EOF)--> draining --> closed
+//        \____________________(error, timeout, force close)_______________________/
+//
+// Role: moves bytes between a file descriptor pair and Messages. It reads into
+// an RxBuffer of 128 KiB chunks; a Handshake object consumes the first bytes,
+// then hands the same buffer to a FrameParser (Mitogen's Stream/Protocol split:
+// the protocol changes, the connection stays). It writes queued frames with
+// one gathered write (writev/sendmsg of up to IOV_MAX iovecs) and, when the
+// queue was empty, writes at once.
+//
+// Transports: a socketpair or UNIX stream socket (one fd, both directions), or
+// a pipe pair such as a child's stdin/stdout (two fds). EOF, ECONNRESET, EPIPE
+// and EAGAIN are ordinary events: EAGAIN waits for readiness, the others start
+// the close path with a reason.
+//
+// Draining ("say goodbye"): flush the queue, half-close the write side (EOF to
+// the peer), keep reading until the peer's EOF, then close. A peer that sends
+// EOF first is answered the same way, so both sides deliver everything queued.
+//
+// Thread safety: broker thread only, except gauge(), which any thread may use.
+// Ownership: created with make_shared and held by its owner (the Router);
+// pending IO handlers hold a reference too, so a closed stream dies when its
+// last handler has run. The listener is borrowed and must outlive the stream's
+// open life (it is told on_stream_closed exactly once).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <asio/posix/stream_descriptor.hpp>
+#include <asio/steady_timer.hpp>
+
+#include "broker/broker.h"
+#include "stream/handshake.h"
+#include "stream/output_gauge.h"
+#include "stream/parser.h"
+
+namespace spindle {
+
+class Stream;
+
+enum class StreamState { kHandshaking, kOpen, kDraining, kClosed };
+const char* to_string(StreamState s);
+
+class StreamListener {
+ public:
+  virtual ~StreamListener() = default;
+  virtual void on_stream_open(Stream& s) = 0;
+  virtual void on_stream_message(Stream& s, Message&& m) = 0;
+  // After the messages of one read batch: a good moment to flush corked output.
+  virtual void on_stream_batch_end(Stream& s) = 0;
+  // A frame that cannot be parsed; the stream closes right after this call
+  // (flushing first, so a dead reply queued here is still sent).
+  virtual void on_stream_invalid(Stream& s, const ParseResult& r) = 0;
+  // Exactly once. `unsent` holds the messages still queued, so their senders
+  // can be told they were not delivered.
+  virtual void on_stream_closed(Stream& s, const std::string& reason,
+                                std::vector<Message> unsent) = 0;
+};
+
+struct StreamOptions {
+  std::string name = "stream";
+  std::uint32_t max_message_size = kDefaultMaxMessageSize;
+  std::size_t high_water_mark = kDefaultHighWaterMark;
+  std::chrono::milliseconds handshake_timeout{10000};
+};
+
+struct StreamStats {
+  std::uint64_t bytes_in = 0, bytes_out = 0;
+  std::uint64_t messages_in = 0, messages_out = 0;
+  std::uint64_t writes = 0;  // write syscalls that moved bytes
+};
+
+class Stream : public std::enable_shared_from_this<Stream> {
+ public:
+  // Takes ownership of the fds (read_fd == write_fd for a socket). Sets them
+  // non-blocking. Throws std::system_error if an fd is unusable.
+  static std::shared_ptr<Stream> create(Broker& broker, int read_fd, int write_fd,
+                                        StreamOptions opts, std::unique_ptr<Handshake> handshake,
+                                        StreamListener* listener);
+  ~Stream();
+
+  void start();
+  // Queues a message; bytes must already be charged to gauge() (or be
+  // charge-free control traffic: pass charged = 0). Does not write.
+  void enqueue(Message&& m, std::size_t charged);
+  // Writes what is queued unless a write is already waiting for readiness.
+  void flush();
+  // Graceful: flush, say goodbye, wait for the peer's EOF.
+  void drain();
+  void close(const std::string& reason);
+
+  StreamState state() const { return state_; }
+  bool is_open() const { return state_ == StreamState::kOpen; }
+  // Whether enqueue() will still send: messages queued while handshaking are
+  // held back and go out right after the handshake.
+  bool accepts_output() const {
+    return state_ == StreamState::kHandshaking || state_ == StreamState::kOpen ||
+           (state_ == StreamState::kDraining && !write_shut_ && !close_after_flush_);
+  }
+  const std::string& name() const { return opts_.name; }
+  void set_name(std::string name) { opts_.name = std::move(name); }
+  const PeerInfo& peer() const { return peer_; }
+  const StreamStats& stats() const { return stats_; }
+  std::size_t queued_frames() const { return txq_.size(); }
+  OutputGauge& gauge() { return *gauge_; }
+  const std::shared_ptr<OutputGauge>& gauge_ptr() const { return gauge_; }
+  std::uint32_t max_message_size() const { return opts_.max_message_size; }
+
+ private:
+  struct OutFrame {
+    HeaderBytes header{};
+    bool has_header = true;  // false for raw handshake bytes
+    Payload payload;
+    std::size_t charged = 0;
+    std::size_t sent = 0;
+    std::size_t size() const { return (has_header ? kHeaderSize : 0) + payload.size(); }
+  };
+
+  Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
+         std::unique_ptr<Handshake> handshake, StreamListener* listener);
+
+  void arm_read();
+  void arm_write();
+  void on_readable();
+  void process_input();
+  bool run_handshake();  // false if the stream closed
+  void on_eof();
+  void half_close();
+  void queue_raw(std::vector<std::uint8_t> bytes);
+  void advance(std::size_t n);
+  asio::posix::stream_descriptor& writer() { return wr_ ? *wr_ : rd_; }
+
+  Broker& broker_;
+  StreamOptions opts_;
+  StreamListener* listener_;
+  asio::posix::stream_descriptor rd_;
+  std::optional<asio::posix::stream_descriptor> wr_;  // pipe pairs only
+  bool is_socket_ = false;
+  StreamState state_ = StreamState::kHandshaking;
+  std::unique_ptr<Handshake> handshake_;
+  PeerInfo peer_;
+  RxBuffer rx_;
+  std::optional<FrameParser> parser_;
+  std::deque<OutFrame> txq_;
+  std::deque<OutFrame> held_;  // messages queued before the handshake completed
+  std::shared_ptr<OutputGauge> gauge_;
+  asio::steady_timer handshake_timer_;
+  bool read_armed_ = false, write_armed_ = false;
+  bool eof_seen_ = false, write_shut_ = false;
+  bool close_after_flush_ = false;  // protocol error: stop reading, flush, close
+  std::string close_reason_;
+  StreamStats stats_;
+};
+
+}  // namespace spindle
