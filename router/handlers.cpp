@@ -13,7 +13,7 @@ std::uint32_t HandlerTable::add(HandlerFn fn, HandlerOptions opts, std::uint32_t
   } else if (map_.count(handle)) {
     return 0;
   }
-  map_.emplace(handle, Handler{std::move(fn), std::move(opts)});
+  map_.emplace(handle, Handler{std::move(fn), std::move(opts), handle});
   return handle;
 }
 
@@ -22,7 +22,10 @@ HandlerTable::Verdict HandlerTable::lookup_for_dispatch(const Message& m, Handle
   auto it = map_.find(m.header.handle);
   if (it == map_.end()) return Verdict::kNotFound;
   const HandlerOptions& o = it->second.opts;
-  if (o.respondent && *o.respondent != m.header.src_id) return Verdict::kWrongRespondent;
+  // A dead reply may come from any router on the way (no route, queue full,
+  // peer gone), not just the respondent: let it through, as Mitogen does.
+  if (o.respondent && *o.respondent != m.header.src_id && !m.is_dead())
+    return Verdict::kWrongRespondent;
   if (o.policy && !o.policy(m)) return Verdict::kRefused;
   if (o.persistent) {
     out = it->second;

@@ -34,6 +34,7 @@ struct HandlerOptions {
 struct Handler {
   HandlerFn fn;
   HandlerOptions opts;
+  std::uint32_t handle = 0;
 };
 
 class HandlerTable {

@@ -17,6 +17,5 @@ inline constexpr std::string_view kShuttingDown = "shutting down";
 inline constexpr std::string_view kReversePath = "reverse-path check failed";
 inline constexpr std::string_view kUnidirectional = "refused: unidirectional routing forbids reaching a sibling";
 inline constexpr std::string_view kQueueFull = "output queue full";
-inline constexpr std::string_view kHandlerRemoved = "handler removed";
 
 }  // namespace spindle::reason

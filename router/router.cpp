@@ -53,7 +53,8 @@ spdlog::level::level_enum level_from_python(int levelno) {
 
 }  // namespace
 
-Router::Router(Broker& broker, RouterOptions opts) : broker_(broker), opts_(std::move(opts)) {
+Router::Router(Broker& broker, RouterOptions opts)
+    : broker_(broker), opts_(std::move(opts)), deadline_timer_(broker.io()) {
   if (opts_.max_message_size == 0) throw Error("max_message_size must be at least 1 byte");
   broker_.defer([this] { broker_.add_participant(this); });
   // ALLOCATE_ID is answered by the root only: others forward it upwards.
@@ -97,6 +98,11 @@ std::shared_ptr<OutputGauge> Router::gauge_for(std::uint32_t dst) {
 }
 
 void Router::send(Message msg, std::chrono::milliseconds timeout) {
+  send_impl(std::move(msg), timeout, std::nullopt);
+}
+
+void Router::send_impl(Message msg, std::chrono::milliseconds timeout,
+                       std::optional<CallDeadline> deadline) {
   const std::size_t size = msg.data.size();
   if (size > opts_.max_message_size)
     throw Error(fmt::format("{}: {} bytes exceeds the maximum of {}", reason::kTooLarge, size,
@@ -108,10 +114,12 @@ void Router::send(Message msg, std::chrono::milliseconds timeout) {
   std::shared_ptr<OutputGauge> gauge = dst == id() ? nullptr : gauge_for(dst);
   const std::size_t charge = kHeaderSize + size;
   if (gauge) {
-    OutputGauge::Admit a = broker_.on_broker_thread()
-                               ? (gauge->try_acquire(charge) ? OutputGauge::Admit::kOk
-                                                             : OutputGauge::Admit::kTimeout)
-                               : gauge->acquire(charge, Clock::now() + timeout);
+    // The broker thread never waits: it gets the answer the queue has now.
+    OutputGauge::Admit a =
+        !broker_.on_broker_thread() ? gauge->acquire(charge, Clock::now() + timeout)
+        : gauge->try_acquire(charge) ? OutputGauge::Admit::kOk
+        : gauge->closed()            ? OutputGauge::Admit::kClosed
+                                     : OutputGauge::Admit::kTimeout;
     if (a == OutputGauge::Admit::kTimeout)
       throw QueueFullError(fmt::format("{}: context {} has {} bytes queued (high-water mark {})",
                                        reason::kQueueFull, dst, gauge->queued(),
@@ -123,7 +131,7 @@ void Router::send(Message msg, std::chrono::milliseconds timeout) {
   {
     std::lock_guard lk(outbox_mu_);
     wake = outbox_.empty();
-    outbox_.push_back(Outgoing{std::move(msg), gauge});
+    outbox_.push_back(Outgoing{std::move(msg), gauge, std::move(deadline)});
   }
   if (wake && !broker_.try_defer([this] { drain_outbox(); })) {
     // The broker stopped: nothing will drain the outbox, so take it back.
@@ -141,14 +149,12 @@ void Router::send(Message msg, std::chrono::milliseconds timeout) {
 std::future<Message> Router::request(Message msg, std::chrono::milliseconds timeout) {
   auto promise = std::make_shared<std::promise<Message>>();
   auto fut = promise->get_future();
-  auto timer = std::make_shared<std::atomic<Broker::TimerId>>(0);
   const std::uint32_t dst = msg.header.dst_id;
   HandlerOptions ho;
   ho.persistent = false;
   ho.respondent = dst;
   std::uint32_t h = handlers_.add(
-      [this, promise, timer](Message&& reply) {
-        if (auto t = timer->load()) broker_.cancel_timer(t);
+      [promise](Message&& reply) {
         if (reply.is_dead()) {
           promise->set_exception(std::make_exception_ptr(ChannelError(reply.text())));
         } else if (reply.is_call_error()) {
@@ -160,20 +166,54 @@ std::future<Message> Router::request(Message msg, std::chrono::milliseconds time
       },
       ho);
   msg.header.reply_to = h;
+  CallDeadline d{Clock::now() + timeout, [this, h, promise, dst, timeout] {
+                   // Whoever takes the handler completes the call: here, only
+                   // if no reply, dead reply or disconnect got there first.
+                   if (handlers_.take(h))
+                     promise->set_exception(std::make_exception_ptr(TimeoutError(fmt::format(
+                         "{}: no reply from context {} within {} ms", errtext::kCallTimedOut, dst,
+                         timeout.count()))));
+                 }};
   try {
-    timer->store(broker_.call_later(timeout, [this, h, promise, dst, timeout] {
-      if (handlers_.take(h))
-        promise->set_exception(std::make_exception_ptr(TimeoutError(fmt::format(
-            "{}: no reply from context {} within {} ms", errtext::kCallTimedOut, dst,
-            timeout.count()))));
-    }));
-    send(std::move(msg), timeout);
+    send_impl(std::move(msg), timeout, std::move(d));
   } catch (...) {
     handlers_.take(h);
-    if (auto t = timer->load()) broker_.cancel_timer(t);
     throw;
   }
   return fut;
+}
+
+void Router::arm_deadline(std::uint32_t handle, CallDeadline d) {
+  auto it = deadlines_.emplace(d.when, std::make_pair(handle, std::move(d.expire)));
+  deadline_of_[handle] = it;
+  if (d.when < armed_for_) arm_deadline_timer(d.when);
+}
+
+void Router::arm_deadline_timer(Clock::time_point when) {
+  armed_for_ = when;
+  deadline_timer_.expires_at(when);  // cancels the wait armed for a later deadline
+  deadline_timer_.async_wait([this](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted) return;
+    armed_for_ = Clock::time_point::max();
+    expire_deadlines();
+  });
+}
+
+void Router::cancel_deadline(std::uint32_t handle) {
+  auto it = deadline_of_.find(handle);
+  if (it == deadline_of_.end()) return;
+  deadlines_.erase(it->second);
+  deadline_of_.erase(it);
+}
+
+void Router::expire_deadlines() {
+  const auto now = Clock::now();
+  while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+    auto node = deadlines_.extract(deadlines_.begin());
+    deadline_of_.erase(node.mapped().first);
+    node.mapped().second();
+  }
+  if (!deadlines_.empty()) arm_deadline_timer(deadlines_.begin()->first);
 }
 
 void Router::reply(const Message& req, Payload data, std::uint16_t enc) {
@@ -244,6 +284,13 @@ void Router::attach_parent(int read_fd, int write_fd) {
 
 std::shared_ptr<Stream> Router::add_child_stream(int read_fd, int write_fd, std::uint32_t child_id,
                                                  const std::string& name) {
+  if (shutting_down_ || broker_.state() != Broker::State::kRunning) {
+    // No new work once shutdown has begun: the child sees EOF and exits.
+    log().warn("stream={} refused: {} (child ctx={} not adopted)", name, reason::kShuttingDown, child_id);
+    ::close(read_fd);
+    if (write_fd != read_fd) ::close(write_fd);
+    return nullptr;
+  }
   StreamOptions so;
   so.name = name.empty() ? fmt::format("child-{}", child_id) : name;
   so.max_message_size = opts_.max_message_size;
@@ -327,7 +374,7 @@ void Router::on_stream_open(Stream& s) {
   }
 }
 
-void Router::on_stream_batch_end(Stream&) {}
+void Router::on_stream_batch_end(Stream&) { flush_dirty(); }
 
 void Router::on_stream_invalid(Stream& s, const ParseResult& r) {
   Link* l = link_of(s);
@@ -347,7 +394,8 @@ void Router::on_stream_message(Stream& s, Message&& m) {
   if (!in) return;
   // Reverse-path check: auth_id and src_id must be reachable through `in`.
   for (std::uint32_t claimed : {m.header.auth_id, m.header.src_id}) {
-    Link* expect = route_for(claimed);
+    // Nothing arriving from outside may claim to come from this context.
+    Link* expect = claimed == id() ? nullptr : route_for(claimed);
     if (expect != in) {
       std::string why = fmt::format("{}: context {} cannot send via stream {}", reason::kReversePath,
                                     claimed, s.name());
@@ -362,6 +410,7 @@ void Router::on_stream_message(Stream& s, Message&& m) {
     }
   }
   in->egress.insert(m.header.dst_id);
+  // Output is corked until the stream's read batch ends (on_stream_batch_end).
   ++batch_depth_;
   if (m.header.dst_id == id()) {
     if (!handle_control(*in, m)) dispatch_local(std::move(m), in);
@@ -369,11 +418,6 @@ void Router::on_stream_message(Stream& s, Message&& m) {
     forward(*in, std::move(m));
   }
   --batch_depth_;
-  if (batch_depth_ == 0) {
-    for (Stream* d : dirty_)
-      if (link_of(*d)) d->flush();
-    dirty_.clear();
-  }
 }
 
 void Router::drain_outbox() {
@@ -385,15 +429,23 @@ void Router::drain_outbox() {
   ++batch_depth_;
   for (Outgoing& o : batch) route_local_origin(std::move(o));
   --batch_depth_;
-  if (batch_depth_ == 0) {
-    for (Stream* d : dirty_)
-      if (link_of(*d)) d->flush();
-    dirty_.clear();
-  }
+  flush_dirty();
+}
+
+// Writes each stream touched in the batch once. A flush may close its stream
+// (and unlink it), so work from a copy and skip streams no longer linked.
+void Router::flush_dirty() {
+  if (batch_depth_ > 0 || dirty_.empty()) return;
+  std::vector<std::shared_ptr<Stream>> touched;
+  for (Stream* d : dirty_)
+    if (Link* l = link_of(*d)) touched.push_back(l->stream);
+  dirty_.clear();
+  for (auto& s : touched) s->flush();
 }
 
 void Router::route_local_origin(Outgoing&& o) {
   Message& m = o.msg;
+  if (o.deadline) arm_deadline(m.header.reply_to, std::move(*o.deadline));
   const std::size_t charge = kHeaderSize + m.data.size();
   if (m.header.dst_id == id()) {
     if (o.gauge) o.gauge->release(charge);
@@ -507,6 +559,7 @@ void Router::dispatch_local(Message&& m, Link*) {
     case HandlerTable::Verdict::kOk:
       break;
   }
+  if (!h.opts.persistent) cancel_deadline(h.handle);
   Message request_head;
   request_head.header = m.header;
   try {
@@ -537,7 +590,7 @@ bool Router::handle_control(Link& in, Message& m) {
     return true;
   }
   if (h == kHandleShutdown) {
-    if (&in != parent_) {
+    if (&in != parent_ || m.header.src_id != in.remote_id) {
       send_dead(m, fmt::format("{}: SHUTDOWN is accepted only from the parent", reason::kRefusedByPolicy));
       return true;
     }
@@ -572,8 +625,10 @@ bool Router::handle_control(Link& in, Message& m) {
   } else if (it != routes_.end()) {
     return true;  // the parent cannot delete a route that runs through a child
   }
-  context_gone(*target, fmt::format("{}: context {} (DEL_ROUTE from {})", reason::kPeerDisconnected,
-                                    *target, in.stream->name()));
+  context_gone(*target,
+               fmt::format("{}: context {} (DEL_ROUTE from {})", reason::kPeerDisconnected, *target,
+                           in.stream->name()),
+               &in);
   return true;
 }
 
@@ -586,7 +641,7 @@ void Router::remove_route(std::uint32_t id, const std::string&) {
   gauges_.erase(id);
 }
 
-void Router::context_gone(std::uint32_t gone, const std::string& why) {
+void Router::context_gone(std::uint32_t gone, const std::string& why, Link* told_by) {
   fail_handlers(handlers_.take_by_respondent([gone](std::uint32_t r) { return r == gone; }), why);
   std::vector<std::function<void(const std::string&)>> watchers;
   {
@@ -603,7 +658,7 @@ void Router::context_gone(std::uint32_t gone, const std::string& why) {
     if (l->egress.erase(gone) && l.get() != parent_) tell.insert(l.get());
   }
   if (parent_) tell.insert(parent_);
-  announce(kHandleDelRoute, std::to_string(gone), nullptr, tell);
+  announce(kHandleDelRoute, std::to_string(gone), told_by, tell);
 }
 
 void Router::announce(std::uint32_t handle, const std::string& payload, Link* skip,
@@ -619,6 +674,7 @@ void Router::announce(std::uint32_t handle, const std::string& payload, Link* sk
 
 void Router::fail_handlers(std::vector<Handler> hs, const std::string& why) {
   for (Handler& h : hs) {
+    cancel_deadline(h.handle);
     try {
       h.fn(dead_message(why));
     } catch (const std::exception& e) {
@@ -679,10 +735,10 @@ void Router::on_shutdown_begin() {
       enqueue_on(*l, std::move(m), 0);
     }
   }
-  for (Link* l : all) {
-    auto keep = l->stream;  // drain() may close and unlink it
-    keep->drain();
-  }
+  // drain() may close a stream and free its Link: hold the streams instead.
+  std::vector<std::shared_ptr<Stream>> streams;
+  for (Link* l : all) streams.push_back(l->stream);
+  for (auto& s : streams) s->drain();
   maybe_drained();
 }
 

@@ -25,6 +25,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <optional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -99,6 +101,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   // blocks until the handshake completes. Throws Error on failure.
   void attach_parent(int read_fd, int write_fd);
   // Broker thread: adds a child stream whose context id is already known.
+  // Once shutdown has begun it closes the fds instead and returns nullptr.
   std::shared_ptr<Stream> add_child_stream(int read_fd, int write_fd, std::uint32_t child_id,
                                            const std::string& name);
 
@@ -121,13 +124,26 @@ class Router : public StreamListener, public ShutdownParticipant {
     std::unordered_set<std::uint32_t> behind;   // contexts routed through this link
     std::unordered_set<std::uint32_t> egress;   // contexts this link sent to
   };
+  // A pending call's deadline; expire() fails it with TimeoutError.
+  struct CallDeadline {
+    Clock::time_point when;
+    std::function<void()> expire;
+  };
   struct Outgoing {
     Message msg;
     std::shared_ptr<OutputGauge> gauge;  // charged on the sender's thread
+    std::optional<CallDeadline> deadline;  // for requests: armed on the broker thread
   };
 
+  void send_impl(Message msg, std::chrono::milliseconds timeout,
+                 std::optional<CallDeadline> deadline);
   // broker thread
+  void arm_deadline(std::uint32_t handle, CallDeadline d);
+  void arm_deadline_timer(Clock::time_point when);
+  void cancel_deadline(std::uint32_t handle);
+  void expire_deadlines();
   void drain_outbox();
+  void flush_dirty();
   void route_local_origin(Outgoing&& out);
   void forward(Link& in, Message&& m);
   void deliver(Message&& m, Link* in);
@@ -140,7 +156,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   Link* link_of(const Stream& s);
   void add_route(std::uint32_t id, Link& via);
   void remove_route(std::uint32_t id, const std::string& reason);
-  void context_gone(std::uint32_t id, const std::string& reason);
+  // Fails what waited on `id`, fires its watchers and sends DEL_ROUTE to the
+  // parent and to every link that talked to it, except `told_by`.
+  void context_gone(std::uint32_t id, const std::string& reason, Link* told_by = nullptr);
   void announce(std::uint32_t handle, const std::string& payload, Link* skip,
                 const std::unordered_set<Link*>& to);
   void maybe_drained();
@@ -162,6 +180,12 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::unordered_set<Stream*> dirty_;
   int batch_depth_ = 0;
   bool shutting_down_ = false;
+  // Pending-call deadlines: one timer, armed for the earliest, re-armed only
+  // when an earlier deadline arrives or the armed one fires.
+  std::multimap<Clock::time_point, std::pair<std::uint32_t, std::function<void()>>> deadlines_;
+  std::unordered_map<std::uint32_t, decltype(deadlines_)::iterator> deadline_of_;
+  asio::steady_timer deadline_timer_;
+  Clock::time_point armed_for_ = Clock::time_point::max();
   bool hold_unknown_ = false;
   std::vector<Message> held_unknown_;
   RouterStats stats_;

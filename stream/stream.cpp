@@ -203,12 +203,13 @@ void Stream::process_input() {
       close_after_flush_ = true;
       flush();
       if (state_ != StreamState::kClosed && txq_.empty()) close(close_reason_);
-      return;
+      break;
     }
     ++stats_.messages_in;
     listener_->on_stream_message(*this, std::move(m));
   }
-  if (state_ != StreamState::kClosed) listener_->on_stream_batch_end(*this);
+  // Always, even after a close: the listener may have corked other streams.
+  listener_->on_stream_batch_end(*this);
 }
 
 void Stream::on_eof() {

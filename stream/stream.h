@@ -54,7 +54,8 @@ class StreamListener {
   virtual ~StreamListener() = default;
   virtual void on_stream_open(Stream& s) = 0;
   virtual void on_stream_message(Stream& s, Message&& m) = 0;
-  // After the messages of one read batch: a good moment to flush corked output.
+  // After the messages of one read batch, even if the stream has just closed:
+  // the moment to flush output corked while handling them.
   virtual void on_stream_batch_end(Stream& s) = 0;
   // A frame that cannot be parsed; the stream closes right after this call
   // (flushing first, so a dead reply queued here is still sent).
