@@ -104,21 +104,45 @@ Broker::Stats Broker::stats() const {
   return stats_;
 }
 
+// A timer requested from another thread is created later, on the broker
+// thread. Until then its id sits in unborn_timers_, so a cancel that overtakes
+// the creation (e.g. issued on the broker thread right after call_later()
+// returned elsewhere) removes it there, and the creation then does nothing.
 Broker::TimerId Broker::call_later(std::chrono::nanoseconds delay, std::function<void()> fn) {
   TimerId id = next_timer_.fetch_add(1);
+  if (on_broker_thread()) {
+    create_timer(id, delay, std::move(fn));
+    return id;
+  }
+  {
+    std::lock_guard lk(defer_mu_);
+    unborn_timers_.insert(id);
+  }
   defer([this, id, delay, fn = std::move(fn)]() mutable {
-    auto timer = std::make_unique<asio::steady_timer>(io_, delay);
-    timer->async_wait([this, id, fn = std::move(fn)](const std::error_code& ec) {
-      if (ec == asio::error::operation_aborted) return;
-      timers_.erase(id);
-      fn();
-    });
-    timers_.emplace(id, std::move(timer));
+    {
+      std::lock_guard lk(defer_mu_);
+      if (!unborn_timers_.erase(id)) return;  // cancelled before it was created
+    }
+    create_timer(id, delay, std::move(fn));
   });
   return id;
 }
 
+void Broker::create_timer(TimerId id, std::chrono::nanoseconds delay, std::function<void()> fn) {
+  auto timer = std::make_unique<asio::steady_timer>(io_, delay);
+  timer->async_wait([this, id, fn = std::move(fn)](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted) return;
+    timers_.erase(id);
+    fn();
+  });
+  timers_.emplace(id, std::move(timer));
+}
+
 void Broker::cancel_timer(TimerId id) {
+  {
+    std::lock_guard lk(defer_mu_);
+    if (unborn_timers_.erase(id)) return;
+  }
   try_defer([this, id] {
     auto it = timers_.find(id);
     if (it == timers_.end()) return;

@@ -109,6 +109,7 @@ class Broker {
  private:
   void run();
   void drain_deferred();
+  void create_timer(TimerId id, std::chrono::nanoseconds delay, std::function<void()> fn);
   void begin_shutdown(std::chrono::milliseconds grace);
   void maybe_finish();
   void finish();
@@ -125,6 +126,7 @@ class Broker {
   bool wake_posted_ = false;                     // guarded by defer_mu_
   bool closed_ = false;                          // guarded by defer_mu_: no more defers
   Stats stats_;                                  // guarded by defer_mu_
+  std::unordered_set<TimerId> unborn_timers_;    // guarded by defer_mu_
 
   std::atomic<bool> shutdown_requested_{false};
   std::mutex request_mu_;

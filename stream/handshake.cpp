@@ -24,6 +24,10 @@ std::uint32_t get32(const std::uint8_t* p) {
          std::uint32_t{p[3]};
 }
 
+void append(std::vector<std::uint8_t>& out, const std::vector<std::uint8_t>& bytes) {
+  out.insert(out.end(), bytes.begin(), bytes.end());
+}
+
 }  // namespace
 
 std::vector<std::uint8_t> encode_hello(std::uint16_t version, std::uint16_t flags,
@@ -116,7 +120,7 @@ HandshakeResult ServerHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>
   if (std::memcmp(h, kMagicHello, std::min<std::size_t>(have, 4)) != 0) {
     r.status = HandshakeStatus::kInvalid;
     r.error = "bad handshake magic: client is not a Spindle client";
-    reply = encode_refusal(r.error);
+    append(reply, encode_refusal(r.error));
     return r;
   }
   rx.drop(kHelloSize);
@@ -128,20 +132,20 @@ HandshakeResult ServerHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>
     r.status = HandshakeStatus::kInvalid;
     r.error = fmt::format("unsupported protocol version {} (server speaks {})", peer_.version,
                           kProtocolVersion);
-    reply = encode_refusal(r.error);
+    append(reply, encode_refusal(r.error));
     return r;
   }
   Assignment a = assign_(peer_);
   if (auto* reason = std::get_if<std::string>(&a)) {
     r.status = HandshakeStatus::kInvalid;
     r.error = *reason;
-    reply = encode_refusal(*reason);
+    append(reply, encode_refusal(*reason));
     return r;
   }
   peer_.remote_id = std::get<std::uint32_t>(a);
   peer_.local_id = own_id_;
   peer_.max_message_size = max_message_size_;
-  reply = encode_welcome(kFlagNone, peer_.remote_id, own_id_, own_pid_, max_message_size_);
+  append(reply, encode_welcome(kFlagNone, peer_.remote_id, own_id_, own_pid_, max_message_size_));
   r.status = HandshakeStatus::kComplete;
   return r;
 }

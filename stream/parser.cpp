@@ -31,10 +31,42 @@ void FrameParser::feed(std::span<const std::uint8_t> bytes) {
     std::memcpy(dst.data(), bytes.data(), n);
     commit(n);
     bytes = bytes.subspan(n);
+    // Switch to the direct body as soon as its header is in, as a stream does.
+    // next() reports the bytes this consumed, keeping its accounting whole.
+    if (!in_body_) unreported_consumed_ += start_direct_body();
   }
 }
 
+// If rx_ starts with a valid header of a large body that is not yet complete,
+// consumes the header and the body bytes buffered so far into one buffer of
+// the body's exact size; later reads land there directly. Returns the bytes
+// consumed (0 if it did not switch).
+std::size_t FrameParser::start_direct_body() {
+  if (rx_.readable() < kHeaderSize) return 0;
+  std::uint8_t raw[kHeaderSize];
+  rx_.peek(raw, kHeaderSize);
+  Header h = decode_header(raw);
+  std::size_t body_buffered = rx_.readable() - kHeaderSize;
+  if (!is_known_enc(h.enc) || h.length > max_message_size_ || h.length < kDirectBodyThreshold ||
+      body_buffered >= h.length)
+    return 0;
+  rx_.drop(kHeaderSize);
+  body_ = std::make_shared<Chunk>(h.length);
+  body_filled_ = body_buffered;
+  rx_.read_into(body_->data(), body_buffered);
+  pending_ = h;
+  in_body_ = true;
+  return kHeaderSize + body_buffered;
+}
+
 ParseResult FrameParser::next(Message& out) {
+  ParseResult r = next_frame(out);
+  r.consumed += unreported_consumed_;
+  unreported_consumed_ = 0;
+  return r;
+}
+
+ParseResult FrameParser::next_frame(Message& out) {
   ParseResult r;
   if (in_body_) {
     if (body_filled_ < pending_.length) return r;  // kNeedMore
@@ -76,17 +108,9 @@ ParseResult FrameParser::next(Message& out) {
     r.consumed = kHeaderSize + h.length;
     return r;
   }
-  if (h.length < kDirectBodyThreshold) return r;  // kNeedMore, keep buffering
-
-  // Large body: give it one buffer of its exact size and read into it directly.
-  rx_.drop(kHeaderSize);
-  body_ = std::make_shared<Chunk>(h.length);
-  body_filled_ = body_buffered;
-  rx_.read_into(body_->data(), body_buffered);
-  pending_ = h;
-  in_body_ = true;
-  r.consumed = kHeaderSize + body_buffered;
-  return r;  // kNeedMore
+  // Large body: one buffer of its exact size, read into directly. kNeedMore.
+  r.consumed = start_direct_body();
+  return r;
 }
 
 }  // namespace spindle

@@ -55,6 +55,8 @@ class FrameParser {
 
  private:
   bool body_wants_bytes() const;
+  std::size_t start_direct_body();
+  ParseResult next_frame(Message& out);
 
   RxBuffer& rx_;
   std::uint32_t max_message_size_;
@@ -64,6 +66,7 @@ class FrameParser {
   Header pending_;
   std::shared_ptr<Chunk> body_;
   std::size_t body_filled_ = 0;
+  std::size_t unreported_consumed_ = 0;  // consumed by feed(), reported by next()
 };
 
 }  // namespace spindle

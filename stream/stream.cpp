@@ -299,7 +299,7 @@ void Stream::flush() {
   if (close_after_flush_) return close(close_reason_);
   if (state_ == StreamState::kDraining) {
     half_close();
-    if (eof_seen_) close("drained");
+    if (eof_seen_) close(drain_started_here_ ? "drained" : "peer closed the connection");
   }
 }
 
@@ -322,6 +322,7 @@ void Stream::drain() {
   if (state_ == StreamState::kClosed || state_ == StreamState::kDraining) return;
   if (state_ == StreamState::kHandshaking) return close("shutting down during handshake");
   state_ = StreamState::kDraining;
+  drain_started_here_ = true;
   flush();
 }
 

@@ -156,6 +156,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   asio::steady_timer handshake_timer_;
   bool read_armed_ = false, write_armed_ = false;
   bool eof_seen_ = false, write_shut_ = false;
+  bool drain_started_here_ = false;  // we said goodbye first (vs. answering the peer's)
   bool close_after_flush_ = false;  // protocol error: stop reading, flush, close
   std::string close_reason_;
   StreamStats stats_;

@@ -1,0 +1,467 @@
+// RPC to real children: forked with fork_child(), or started with
+// spawn_child() from tests/helpers/spawned_echo.cpp.
+//
+// Children report through replies, log lines or their exit status; no gtest
+// macro runs inside a forked child.
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <future>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <spdlog/sinks/base_sink.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/child.h"
+#include "router/reasons.h"
+#include "router/router.h"
+
+namespace spindle {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint32_t kEcho = 3000;
+constexpr std::uint32_t kThrow = 3001;
+constexpr std::uint32_t kNeverReply = 3002;
+constexpr std::uint32_t kHangAndNotify = 3003;
+constexpr std::uint32_t kParentArrived = 4000;
+
+bool contains(const std::string& hay, std::string_view needle) {
+  return hay.find(needle) != std::string::npos;
+}
+
+ChildOptions named(std::string name) {
+  ChildOptions o;
+  o.name = std::move(name);
+  return o;
+}
+
+RouterOptions root_opts() {
+  RouterOptions o;
+  o.name = "root";
+  return o;
+}
+
+// Deterministic bytes that differ per size and seed.
+std::string pattern(std::size_t n, std::uint32_t seed) {
+  std::string s(n, '\0');
+  std::uint32_t x = seed * 2654435761u + static_cast<std::uint32_t>(n) + 1;
+  for (std::size_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    s[i] = static_cast<char>(x >> 24);
+  }
+  return s;
+}
+
+void expect_exit_code(const Context& c, int code) {
+  auto st = c.wait_exit(10s);
+  ASSERT_TRUE(st.has_value()) << c.name() << " did not exit";
+  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == code)
+      << c.name() << ": " << describe_wait_status(*st) << ", expected exit status " << code;
+}
+
+int service_child(ChildEnv& env) {
+  Router& r = env.router();
+  r.add_handler([&r](Message&& m) { r.reply(m, m.data); }, {}, kEcho);
+  r.add_handler([](Message&& m) -> void {
+    throw std::runtime_error("boom: bad input " + m.text());
+  }, {}, kThrow);
+  r.add_handler([](Message&&) { /* never replies */ }, {}, kNeverReply);
+  r.add_handler([&r](Message&&) {
+    // Never replies: tells the parent the call is in progress instead.
+    r.send(Message::make(*r.parent_id(), kParentArrived, Payload::copy_of(std::to_string(::getpid()))));
+  }, {}, kHangAndNotify);
+  env.serve();
+  return 0;
+}
+
+// ------------------------------------------------------------ forked RPC
+
+TEST(RpcFork, RoundTripPayloadSizes) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, service_child, named("echo"));
+  for (std::size_t size : {std::size_t{0}, std::size_t{64}, std::size_t{200} * 1024,
+                           std::size_t{8} * 1024 * 1024}) {
+    SCOPED_TRACE(fmt::format("payload of {} bytes", size));
+    std::string sent = pattern(size, 1);
+    Payload got = c.call(kEcho, Payload::copy_of(sent), 30s);
+    ASSERT_EQ(got.size(), size);
+    EXPECT_TRUE(got.to_string() == sent) << "content differs";
+  }
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+TEST(RpcFork, CallAsyncToFourChildrenConcurrently) {
+  Broker broker;
+  Router router(broker, root_opts());
+  std::vector<Context> children;
+  for (int i = 0; i < 4; ++i) children.push_back(fork_child(router, service_child, named(fmt::format("worker-{}", i))));
+  std::vector<std::string> sent;
+  std::vector<std::future<Message>> futs;
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    sent.push_back(fmt::format("to {}:", children[i].id()) + pattern(100 * 1024 + i, static_cast<std::uint32_t>(i)));
+    futs.push_back(children[i].call_async(kEcho, Payload::copy_of(sent[i]), 30s));
+  }
+  for (std::size_t i = 0; i < futs.size(); ++i) {
+    ASSERT_EQ(futs[i].wait_for(30s), std::future_status::ready) << "child " << i;
+    Message m = futs[i].get();
+    EXPECT_EQ(m.header.src_id, children[i].id());
+    EXPECT_TRUE(m.text() == sent[i]) << "child " << i << " content differs";
+  }
+  for (auto& c : children) c.shutdown();
+  for (auto& c : children) expect_exit_code(c, 0);
+}
+
+TEST(RpcFork, RemoteExceptionArrivesAsCallError) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, service_child, named("thrower"));
+  try {
+    c.call(kThrow, std::string_view("42"), 10s);
+    ADD_FAILURE() << "no exception";
+  } catch (const CallError& e) {
+    EXPECT_TRUE(contains(e.type(), "runtime_error")) << e.type();
+    EXPECT_EQ(e.message(), "boom: bad input 42");
+    EXPECT_EQ(std::string(e.what()), e.type() + ": " + e.message());
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception: " << e.what();
+  }
+  // The child survives its handler's exception.
+  EXPECT_EQ(c.call(kEcho, std::string_view("still here"), 10s), "still here");
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+TEST(RpcFork, HandlerThatNeverRepliesTimesOut) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, service_child, named("silent"));
+  ASSERT_EQ(c.call(kEcho, std::string_view("up"), 10s), "up");
+  auto t0 = Clock::now();
+  try {
+    c.call(kNeverReply, std::string_view("hello?"), 200ms);
+    ADD_FAILURE() << "no exception";
+  } catch (const TimeoutError& e) {
+    EXPECT_TRUE(contains(e.what(), errtext::kCallTimedOut)) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception: " << e.what();
+  }
+  auto elapsed = Clock::now() - t0;
+  EXPECT_GE(elapsed, 190ms);
+  EXPECT_LT(elapsed, 5s);
+  // The pending-call handler is gone (only ALLOCATE_ID remains) and the child still works.
+  EXPECT_EQ(router.stats().handlers, 1u);
+  EXPECT_EQ(c.call(kEcho, std::string_view("after"), 10s), "after");
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+TEST(RpcFork, ChildKilledMidCallFailsPendingCall) {
+  Broker broker;
+  Router router(broker, root_opts());
+  std::promise<std::string> arrived;
+  std::atomic<bool> arrived_set{false};
+  router.add_handler([&](Message&& m) {
+    if (!arrived_set.exchange(true)) arrived.set_value(m.text());
+  }, {}, kParentArrived);
+  Context c = fork_child(router, service_child, named("victim"));
+
+  auto call = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      c.call(kHangAndNotify, std::string_view("wait"), 30s);
+      return "no exception";
+    } catch (const ChannelError& e) {
+      return std::string("ChannelError:") + e.what();
+    } catch (const std::exception& e) {
+      return std::string("other:") + e.what();
+    }
+  });
+  auto af = arrived.get_future();
+  ASSERT_EQ(af.wait_for(15s), std::future_status::ready) << "the call never reached the child";
+  EXPECT_EQ(af.get(), std::to_string(c.pid()));
+
+  auto t0 = Clock::now();
+  ASSERT_EQ(::kill(c.pid(), SIGKILL), 0);
+  ASSERT_EQ(call.wait_for(10s), std::future_status::ready) << "pending call not failed";
+  auto elapsed = Clock::now() - t0;
+  std::string out = call.get();
+  EXPECT_TRUE(out.starts_with("ChannelError:")) << out;
+  EXPECT_TRUE(contains(out, reason::kPeerDisconnected)) << out;
+  EXPECT_LT(elapsed, 5s);
+
+  auto st = c.wait_exit(10s);
+  ASSERT_TRUE(st.has_value());
+  EXPECT_TRUE(WIFSIGNALED(*st)) << describe_wait_status(*st);
+  if (WIFSIGNALED(*st)) {
+    EXPECT_EQ(WTERMSIG(*st), SIGKILL);
+  }
+
+  // Later calls to the dead child fail at once, too.
+  std::string later;
+  try {
+    c.call(kEcho, std::string_view("anyone?"), 5s);
+  } catch (const std::exception& e) {
+    later = e.what();
+  }
+  EXPECT_FALSE(later.empty());
+}
+
+// The same, with a handler that blocks the child's broker thread for good.
+// The child signals "the call is being handled" through a FIFO the parent
+// holds open (fork_child closes inherited fds, so the child opens it by path).
+TEST(RpcFork, ChildKilledWhileHandlerBlocksFailsPendingCall) {
+  char dir[] = "/tmp/spindle-rpc-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string fifo = std::string(dir) + "/arrived";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  int rd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(rd, 0);
+
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, [&fifo](ChildEnv& env) {
+    env.router().add_handler([&fifo](Message&&) {
+      int wr = ::open(fifo.c_str(), O_WRONLY | O_CLOEXEC);
+      if (wr >= 0) {
+        char b = 'x';
+        (void)!::write(wr, &b, 1);
+        ::close(wr);
+      }
+      for (;;) ::pause();  // blocks the broker thread until SIGKILL
+    }, {}, kNeverReply);
+    env.serve();
+    return 0;
+  }, named("blocked"));
+
+  auto call = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      c.call(kNeverReply, std::string_view("block"), 30s);
+      return "no exception";
+    } catch (const ChannelError& e) {
+      return std::string("ChannelError:") + e.what();
+    } catch (const std::exception& e) {
+      return std::string("other:") + e.what();
+    }
+  });
+  pollfd p{rd, POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 15000), 1) << "the handler never started";
+  char b = 0;
+  ASSERT_EQ(::read(rd, &b, 1), 1);
+
+  auto t0 = Clock::now();
+  ASSERT_EQ(::kill(c.pid(), SIGKILL), 0);
+  ASSERT_EQ(call.wait_for(10s), std::future_status::ready) << "pending call not failed";
+  auto elapsed = Clock::now() - t0;
+  std::string out = call.get();
+  EXPECT_TRUE(out.starts_with("ChannelError:")) << out;
+  EXPECT_TRUE(contains(out, reason::kPeerDisconnected)) << out;
+  EXPECT_LT(elapsed, 5s);
+  auto st = c.wait_exit(10s);
+  ASSERT_TRUE(st.has_value());
+  EXPECT_TRUE(WIFSIGNALED(*st) && WTERMSIG(*st) == SIGKILL) << describe_wait_status(*st);
+
+  ::close(rd);
+  ::unlink(fifo.c_str());
+  ::rmdir(dir);
+}
+
+// Collects formatted log lines in memory.
+class CaptureSink final : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  bool wait_for_line(std::string_view needle, std::chrono::milliseconds timeout, std::string* line,
+                     spdlog::level::level_enum* level) {
+    std::unique_lock lk(mu_);
+    bool found = cv_.wait_for(lk, timeout, [&] {
+      for (std::size_t i = 0; i < lines_.size(); ++i)
+        if (lines_[i].find(needle) != std::string::npos) {
+          *line = lines_[i];
+          *level = levels_[i];
+          return true;
+        }
+      return false;
+    });
+    return found;
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t buf;
+    formatter_->format(msg, buf);
+    {
+      std::lock_guard lk(mu_);
+      lines_.emplace_back(buf.data(), buf.size());
+      levels_.push_back(msg.level);
+    }
+    cv_.notify_all();
+  }
+  void flush_() override {}
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::string> lines_;
+  std::vector<spdlog::level::level_enum> levels_;
+};
+
+TEST(RpcFork, ChildLogLinesAreForwardedToParent) {
+  auto sink = std::make_shared<CaptureSink>();
+  set_log_sinks({sink});
+  struct Restore {
+    ~Restore() { set_log_sinks({}); }
+  } restore;
+  {
+    Broker broker;
+    Router router(broker, root_opts());
+    const std::string marker = fmt::format("forward-log-marker-{}", ::getpid());
+    Context c = fork_child(router, [&marker](ChildEnv& env) {
+      log().warn("{} from the child", marker);
+      env.serve();
+      return 0;
+    }, named("log-child"));
+    std::string line;
+    spdlog::level::level_enum level = spdlog::level::off;
+    ASSERT_TRUE(sink->wait_for_line(marker, 15s, &line, &level)) << "child's log line never arrived";
+    EXPECT_TRUE(contains(line, "log-child")) << line;
+    EXPECT_TRUE(contains(line, fmt::format("ctx={}", c.id()))) << line;
+    EXPECT_TRUE(contains(line, marker + " from the child")) << line;
+    EXPECT_EQ(level, spdlog::level::warn) << line;
+    c.shutdown();
+    expect_exit_code(c, 0);
+  }
+}
+
+TEST(RpcFork, ExitStatusOfMainIsReported) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context seven = fork_child(router, [](ChildEnv&) { return 7; }, named("seven"));
+  auto st = seven.wait_exit(10s);
+  ASSERT_TRUE(st.has_value());
+  EXPECT_TRUE(WIFEXITED(*st)) << describe_wait_status(*st);
+  EXPECT_EQ(WEXITSTATUS(*st), 7) << describe_wait_status(*st);
+}
+
+TEST(RpcFork, ShutdownRequestExitsZero) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, service_child, named("polite"));
+  ASSERT_EQ(c.call(kEcho, std::string_view("up"), 10s), "up");
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+// Result codes of the fd-hygiene child.
+enum FdCheck {
+  kFdsOk = 0,
+  kInheritedFdOpen = 10,
+  kDevNullOpen = 11,
+  kUnexpectedFd = 12,
+  kSocketCount = 13,
+  kProcUnreadable = 14,
+};
+
+TEST(RpcFork, ForkedChildDoesNotInheritParentFds) {
+  // Opened without O_CLOEXEC, and moved high so the child's own broker cannot
+  // reuse the number.
+  int devnull = ::open("/dev/null", O_RDONLY);
+  ASSERT_GE(devnull, 0);
+  int leaked = ::fcntl(devnull, F_DUPFD, 100);
+  ASSERT_GE(leaked, 100);
+  ::close(devnull);
+  ASSERT_EQ(::fcntl(leaked, F_GETFD) & FD_CLOEXEC, 0);
+
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, [leaked](ChildEnv&) -> int {
+    errno = 0;
+    if (::fcntl(leaked, F_GETFD) != -1 || errno != EBADF) {
+      std::fprintf(stderr, "fd %d inherited from the parent is open\n", leaked);
+      return kInheritedFdOpen;
+    }
+    DIR* d = ::opendir("/proc/self/fd");
+    if (!d) return kProcUnreadable;
+    int self = ::dirfd(d);
+    int sockets = 0;
+    int rc = kFdsOk;
+    while (dirent* e = ::readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      int fd = std::atoi(e->d_name);
+      if (fd == self || fd <= 2) continue;
+      char link[256] = {};
+      ssize_t n = ::readlink(fmt::format("/proc/self/fd/{}", fd).c_str(), link, sizeof link - 1);
+      std::string target = n > 0 ? std::string(link, static_cast<std::size_t>(n)) : "?";
+      if (target == "/dev/null") {
+        std::fprintf(stderr, "fd %d is /dev/null\n", fd);
+        rc = kDevNullOpen;
+      } else if (target.starts_with("socket:")) {
+        ++sockets;
+      } else if (!target.starts_with("anon_inode:")) {
+        // The broker's own fds are epoll, eventfd, timerfd: all anon inodes.
+        std::fprintf(stderr, "unexpected fd %d -> %s\n", fd, target.c_str());
+        rc = kUnexpectedFd;
+      }
+    }
+    ::closedir(d);
+    if (rc == kFdsOk && sockets != 1) {
+      std::fprintf(stderr, "%d sockets open, expected 1\n", sockets);
+      rc = kSocketCount;
+    }
+    return rc;
+  }, named("fd-check"));
+  auto st = c.wait_exit(10s);
+  ::close(leaked);
+  ASSERT_TRUE(st.has_value());
+  ASSERT_TRUE(WIFEXITED(*st)) << describe_wait_status(*st);
+  EXPECT_EQ(WEXITSTATUS(*st), kFdsOk)
+      << "10: inherited fd open, 11: /dev/null open, 12: unexpected fd, 13: socket count, 14: no /proc";
+}
+
+// ------------------------------------------------------------ spawn_child
+
+class RpcSpawn : public ::testing::TestWithParam<ChildTransport> {};
+
+TEST_P(RpcSpawn, EchoesLargePayloadAndExitsCleanly) {
+  Broker broker;
+  Router router(broker, root_opts());
+  ChildOptions o;
+  o.name = GetParam() == ChildTransport::kSocketPair ? "spawned-socket" : "spawned-stdio";
+  o.transport = GetParam();
+  Context c = spawn_child(router, SPINDLE_HELPER_DIR "/spawned_echo", {}, o);
+  ASSERT_GT(c.pid(), 0);
+  std::string sent = pattern(300 * 1024, 7);
+  Payload got = c.call(kEcho, Payload::copy_of(sent), 30s);
+  ASSERT_EQ(got.size(), sent.size());
+  EXPECT_TRUE(got.to_string() == sent) << "content differs";
+  EXPECT_EQ(c.call(kEcho, std::string_view{}, 10s), "");
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(RpcSpawnTransports, RpcSpawn,
+                         ::testing::Values(ChildTransport::kSocketPair, ChildTransport::kStdio),
+                         [](const ::testing::TestParamInfo<ChildTransport>& i) {
+                           return std::string(i.param == ChildTransport::kSocketPair ? "SocketPair"
+                                                                                     : "Stdio");
+                         });
+
+}  // namespace
+}  // namespace spindle
