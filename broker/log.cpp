@@ -82,6 +82,23 @@ class StderrSink final : public spdlog::sinks::base_sink<std::mutex> {
 };
 
 std::atomic<spdlog::logger*> g_logger{nullptr};
+
+// Every logger ever made stays on this list, so a replaced one is still
+// reachable (LeakSanitizer does not report it) and a thread still inside it
+// is safe. Pushing is lock-free: a forked child may do it while a lock of the
+// parent's is held forever.
+struct LoggerNode {
+  spdlog::logger* logger;
+  LoggerNode* next;
+};
+std::atomic<LoggerNode*> g_all_loggers{nullptr};
+
+spdlog::logger* keep(spdlog::logger* l) {
+  auto* node = new LoggerNode{l, g_all_loggers.load(std::memory_order_relaxed)};
+  while (!g_all_loggers.compare_exchange_weak(node->next, node, std::memory_order_release)) {
+  }
+  return l;
+}
 std::uint32_t g_context_id = 0;
 std::string g_context_name;
 
@@ -93,7 +110,7 @@ spdlog::logger* make_logger(std::vector<spdlog::sink_ptr> sinks, spdlog::level::
   l->set_formatter(make_log_formatter());
   l->set_level(level);
   l->flush_on(spdlog::level::warn);
-  return l;
+  return keep(l);
 }
 
 spdlog::level::level_enum env_level(spdlog::level::level_enum fallback) {

@@ -57,7 +57,7 @@ std::future<Message> Context::call_async(std::uint32_t handle, Payload data,
 }
 
 Payload Context::call(std::uint32_t handle, Payload data, std::chrono::milliseconds timeout) const {
-  return call_async(handle, std::move(data), timeout).get().data;
+  return router_->call(Message::make(id_, handle, std::move(data)), timeout).data;
 }
 
 std::string Context::call(std::uint32_t handle, std::string_view data,

@@ -3,6 +3,7 @@
 namespace spindle {
 
 std::uint32_t HandlerTable::add(HandlerFn fn, HandlerOptions opts, std::uint32_t handle) {
+  auto h = std::make_shared<Handler>(Handler{std::move(fn), std::move(opts), 0});
   std::lock_guard lk(mu_);
   if (handle == 0) {
     // Skip handles that are taken or special; wraps within the dynamic range.
@@ -13,15 +14,16 @@ std::uint32_t HandlerTable::add(HandlerFn fn, HandlerOptions opts, std::uint32_t
   } else if (map_.count(handle)) {
     return 0;
   }
-  map_.emplace(handle, Handler{std::move(fn), std::move(opts), handle});
+  h->handle = handle;
+  map_.emplace(handle, std::move(h));
   return handle;
 }
 
-HandlerTable::Verdict HandlerTable::lookup_for_dispatch(const Message& m, Handler& out) {
+HandlerTable::Verdict HandlerTable::lookup_for_dispatch(const Message& m, HandlerPtr& out) {
   std::lock_guard lk(mu_);
   auto it = map_.find(m.header.handle);
   if (it == map_.end()) return Verdict::kNotFound;
-  const HandlerOptions& o = it->second.opts;
+  const HandlerOptions& o = it->second->opts;
   // A dead reply may come from any router on the way (no route, queue full,
   // peer gone), not just the respondent: let it through, as Mitogen does.
   if (o.respondent && *o.respondent != m.header.src_id && !m.is_dead())
@@ -36,21 +38,21 @@ HandlerTable::Verdict HandlerTable::lookup_for_dispatch(const Message& m, Handle
   return Verdict::kOk;
 }
 
-std::optional<Handler> HandlerTable::take(std::uint32_t handle) {
+HandlerPtr HandlerTable::take(std::uint32_t handle) {
   std::lock_guard lk(mu_);
   auto it = map_.find(handle);
-  if (it == map_.end()) return std::nullopt;
-  Handler h = std::move(it->second);
+  if (it == map_.end()) return nullptr;
+  HandlerPtr h = std::move(it->second);
   map_.erase(it);
   return h;
 }
 
-std::vector<Handler> HandlerTable::take_by_respondent(
+std::vector<HandlerPtr> HandlerTable::take_by_respondent(
     const std::function<bool(std::uint32_t)>& pred) {
-  std::vector<Handler> out;
+  std::vector<HandlerPtr> out;
   std::lock_guard lk(mu_);
   for (auto it = map_.begin(); it != map_.end();) {
-    if (it->second.opts.respondent && pred(*it->second.opts.respondent)) {
+    if (it->second->opts.respondent && pred(*it->second->opts.respondent)) {
       out.push_back(std::move(it->second));
       it = map_.erase(it);
     } else {
@@ -60,11 +62,11 @@ std::vector<Handler> HandlerTable::take_by_respondent(
   return out;
 }
 
-std::vector<Handler> HandlerTable::take_one_shot() {
-  std::vector<Handler> out;
+std::vector<HandlerPtr> HandlerTable::take_one_shot() {
+  std::vector<HandlerPtr> out;
   std::lock_guard lk(mu_);
   for (auto it = map_.begin(); it != map_.end();) {
-    if (!it->second.opts.persistent) {
+    if (!it->second->opts.persistent) {
       out.push_back(std::move(it->second));
       it = map_.erase(it);
     } else {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -37,6 +38,8 @@ struct Handler {
   std::uint32_t handle = 0;
 };
 
+using HandlerPtr = std::shared_ptr<const Handler>;
+
 class HandlerTable {
  public:
   // handle == 0 allocates the next free dynamic handle (>= 1000). Returns 0
@@ -44,20 +47,20 @@ class HandlerTable {
   std::uint32_t add(HandlerFn fn, HandlerOptions opts, std::uint32_t handle = 0);
   enum class Verdict { kOk, kNotFound, kWrongRespondent, kRefused };
   // For dispatch: checks respondent and policy (under the lock, so policies
-  // must be cheap and must not call back into the table), then returns a copy
-  // of a persistent handler or removes and returns a one-shot one.
-  Verdict lookup_for_dispatch(const Message& m, Handler& out);
+  // must be cheap and must not call back into the table), then shares a
+  // persistent handler or removes and returns a one-shot one.
+  Verdict lookup_for_dispatch(const Message& m, HandlerPtr& out);
   // Removes and returns the handler, if present.
-  std::optional<Handler> take(std::uint32_t handle);
+  HandlerPtr take(std::uint32_t handle);
   // Removes and returns every handler whose respondent matches `pred`.
-  std::vector<Handler> take_by_respondent(const std::function<bool(std::uint32_t)>& pred);
+  std::vector<HandlerPtr> take_by_respondent(const std::function<bool(std::uint32_t)>& pred);
   // Removes every one-shot handler (pending calls); persistent ones stay.
-  std::vector<Handler> take_one_shot();
+  std::vector<HandlerPtr> take_one_shot();
   std::size_t size() const;
 
  private:
   mutable std::mutex mu_;
-  std::unordered_map<std::uint32_t, Handler> map_;
+  std::unordered_map<std::uint32_t, HandlerPtr> map_;
   std::uint32_t next_dynamic_ = kFirstDynamicHandle;
 };
 

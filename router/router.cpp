@@ -88,7 +88,7 @@ std::uint32_t Router::add_handler(HandlerFn fn, HandlerOptions opts, std::uint32
   return h;
 }
 
-bool Router::del_handler(std::uint32_t handle) { return handlers_.take(handle).has_value(); }
+bool Router::del_handler(std::uint32_t handle) { return handlers_.take(handle) != nullptr; }
 
 std::shared_ptr<OutputGauge> Router::gauge_for(std::uint32_t dst) {
   std::lock_guard lk(gauges_mu_);
@@ -116,8 +116,8 @@ void Router::send_impl(Message msg, std::chrono::milliseconds timeout,
   if (gauge) {
     // The broker thread never waits: it gets the answer the queue has now.
     OutputGauge::Admit a =
-        !broker_.on_broker_thread() ? gauge->acquire(charge, Clock::now() + timeout)
-        : gauge->try_acquire(charge) ? OutputGauge::Admit::kOk
+        gauge->try_acquire(charge)   ? OutputGauge::Admit::kOk
+        : !broker_.on_broker_thread() ? gauge->acquire(charge, Clock::now() + timeout)
         : gauge->closed()            ? OutputGauge::Admit::kClosed
                                      : OutputGauge::Admit::kTimeout;
     if (a == OutputGauge::Admit::kTimeout)
@@ -146,33 +146,34 @@ void Router::send_impl(Message msg, std::chrono::milliseconds timeout,
   }
 }
 
-std::future<Message> Router::request(Message msg, std::chrono::milliseconds timeout) {
-  auto promise = std::make_shared<std::promise<Message>>();
-  auto fut = promise->get_future();
+// Registers a one-shot reply handler for `msg`, arms its deadline and sends
+// it. `done` runs exactly once: with the reply, or with the exception a dead
+// reply, CallError, timeout or disconnect turns into. Whoever removes the
+// handler from the table completes the call, so these never race.
+void Router::start_call(Message msg, std::chrono::milliseconds timeout, CallCompletion done) {
   const std::uint32_t dst = msg.header.dst_id;
   HandlerOptions ho;
   ho.persistent = false;
   ho.respondent = dst;
+  auto shared_done = std::make_shared<CallCompletion>(std::move(done));
   std::uint32_t h = handlers_.add(
-      [promise](Message&& reply) {
+      [shared_done](Message&& reply) {
         if (reply.is_dead()) {
-          promise->set_exception(std::make_exception_ptr(ChannelError(reply.text())));
+          (*shared_done)({}, std::make_exception_ptr(ChannelError(reply.text())));
         } else if (reply.is_call_error()) {
           CallErrorText e = parse_call_error(reply);
-          promise->set_exception(std::make_exception_ptr(CallError(e.type, e.what)));
+          (*shared_done)({}, std::make_exception_ptr(CallError(e.type, e.what)));
         } else {
-          promise->set_value(std::move(reply));
+          (*shared_done)(std::move(reply), nullptr);
         }
       },
       ho);
   msg.header.reply_to = h;
-  CallDeadline d{Clock::now() + timeout, [this, h, promise, dst, timeout] {
-                   // Whoever takes the handler completes the call: here, only
-                   // if no reply, dead reply or disconnect got there first.
+  CallDeadline d{Clock::now() + timeout, [this, h, shared_done, dst, timeout] {
                    if (handlers_.take(h))
-                     promise->set_exception(std::make_exception_ptr(TimeoutError(fmt::format(
-                         "{}: no reply from context {} within {} ms", errtext::kCallTimedOut, dst,
-                         timeout.count()))));
+                     (*shared_done)({}, std::make_exception_ptr(TimeoutError(fmt::format(
+                                            "{}: no reply from context {} within {} ms",
+                                            errtext::kCallTimedOut, dst, timeout.count()))));
                  }};
   try {
     send_impl(std::move(msg), timeout, std::move(d));
@@ -180,7 +181,37 @@ std::future<Message> Router::request(Message msg, std::chrono::milliseconds time
     handlers_.take(h);
     throw;
   }
+}
+
+std::future<Message> Router::request(Message msg, std::chrono::milliseconds timeout) {
+  auto promise = std::make_shared<std::promise<Message>>();
+  auto fut = promise->get_future();
+  start_call(std::move(msg), timeout, [promise](Message&& reply, std::exception_ptr err) {
+    if (err) promise->set_exception(err);
+    else promise->set_value(std::move(reply));
+  });
   return fut;
+}
+
+// A blocking call waits on one atomic word (a futex) rather than a promise,
+// which costs a second wake-up per reply.
+Message Router::call(Message msg, std::chrono::milliseconds timeout) {
+  if (broker_.on_broker_thread()) throw Error("call() would block the broker thread; use request()");
+  struct Waiter {
+    std::atomic<std::uint32_t> done{0};
+    Message reply;
+    std::exception_ptr error;
+  };
+  auto w = std::make_shared<Waiter>();
+  start_call(std::move(msg), timeout, [w](Message&& reply, std::exception_ptr err) {
+    w->reply = std::move(reply);
+    w->error = err;
+    w->done.store(1, std::memory_order_release);
+    w->done.notify_one();
+  });
+  w->done.wait(0, std::memory_order_acquire);
+  if (w->error) std::rethrow_exception(w->error);
+  return std::move(w->reply);
 }
 
 void Router::arm_deadline(std::uint32_t handle, CallDeadline d) {
@@ -537,7 +568,7 @@ void Router::send_dead(const Message& about, std::string why) {
 
 void Router::dispatch_local(Message&& m, Link*) {
   ++stats_.delivered_locally;
-  Handler h;
+  HandlerPtr h;
   switch (handlers_.lookup_for_dispatch(m, h)) {
     case HandlerTable::Verdict::kNotFound:
       if (hold_unknown_ && !m.is_dead() && held_unknown_.size() < kMaxHeldMessages) {
@@ -559,11 +590,11 @@ void Router::dispatch_local(Message&& m, Link*) {
     case HandlerTable::Verdict::kOk:
       break;
   }
-  if (!h.opts.persistent) cancel_deadline(h.handle);
+  if (!h->opts.persistent) cancel_deadline(h->handle);
   Message request_head;
   request_head.header = m.header;
   try {
-    h.fn(std::move(m));
+    h->fn(std::move(m));
   } catch (const std::exception& e) {
     std::string type = demangle(typeid(e).name());
     log().info("handler for handle {} threw {}: {}", request_head.header.handle, type, e.what());
@@ -672,11 +703,11 @@ void Router::announce(std::uint32_t handle, const std::string& payload, Link* sk
   }
 }
 
-void Router::fail_handlers(std::vector<Handler> hs, const std::string& why) {
-  for (Handler& h : hs) {
-    cancel_deadline(h.handle);
+void Router::fail_handlers(std::vector<HandlerPtr> hs, const std::string& why) {
+  for (HandlerPtr& h : hs) {
+    cancel_deadline(h->handle);
     try {
-      h.fn(dead_message(why));
+      h->fn(dead_message(why));
     } catch (const std::exception& e) {
       log().error("handler threw while being failed ({}): {}", why, e.what());
     }
@@ -726,18 +757,17 @@ void Router::on_shutdown_begin() {
   std::vector<Message> held;
   held.swap(held_unknown_);
   for (Message& m : held) dispatch_local(std::move(m), nullptr);
-  std::vector<Link*> all;
-  for (auto& [s, l] : links_) all.push_back(l.get());
-  for (Link* l : all) {
-    if (l->role == StreamRole::kChild && l->stream->is_open()) {
-      Message m = Message::make(l->remote_id, kHandleShutdown, {}, kEncMitogen);
-      m.header.src_id = m.header.auth_id = id();
-      enqueue_on(*l, std::move(m), 0);
-    }
-  }
-  // drain() may close a stream and free its Link: hold the streams instead.
+  // Any write below may fail, close its stream and free its Link: hold the
+  // streams and look each Link up again before using it.
   std::vector<std::shared_ptr<Stream>> streams;
-  for (Link* l : all) streams.push_back(l->stream);
+  for (auto& [s, l] : links_) streams.push_back(l->stream);
+  for (auto& s : streams) {
+    Link* l = link_of(*s);
+    if (!l || l->role != StreamRole::kChild || !s->is_open()) continue;
+    Message m = Message::make(l->remote_id, kHandleShutdown, {}, kEncMitogen);
+    m.header.src_id = m.header.auth_id = id();
+    enqueue_on(*l, std::move(m), 0);
+  }
   for (auto& s : streams) s->drain();
   maybe_drained();
 }

@@ -83,6 +83,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   // The timeout fails it with TimeoutError; a respondent that disconnects
   // fails it at once with ChannelError.
   std::future<Message> request(Message msg, std::chrono::milliseconds timeout);
+  // The same, blocking: returns the reply or throws. Not on the broker thread.
+  Message call(Message msg, std::chrono::milliseconds timeout);
   // Replies to a message that arrived here.
   void reply(const Message& request, Payload data, std::uint16_t enc = kEncRaw);
   // Calls fn(reason) once when `context_id` disconnects (or is unreachable).
@@ -135,6 +137,8 @@ class Router : public StreamListener, public ShutdownParticipant {
     std::optional<CallDeadline> deadline;  // for requests: armed on the broker thread
   };
 
+  using CallCompletion = std::function<void(Message&&, std::exception_ptr)>;
+  void start_call(Message msg, std::chrono::milliseconds timeout, CallCompletion done);
   void send_impl(Message msg, std::chrono::milliseconds timeout,
                  std::optional<CallDeadline> deadline);
   // broker thread
@@ -165,7 +169,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint32_t remote_id,
                      const std::string& name);
   std::shared_ptr<OutputGauge> gauge_for(std::uint32_t dst);
-  void fail_handlers(std::vector<Handler> hs, const std::string& reason);
+  void fail_handlers(std::vector<HandlerPtr> hs, const std::string& reason);
 
   Broker& broker_;
   RouterOptions opts_;

@@ -6,9 +6,13 @@ namespace spindle {
 
 Payload Payload::copy_of(std::span<const std::uint8_t> bytes) {
   if (bytes.empty()) return {};
-  auto chunk = std::make_shared<Chunk>(bytes.size());
-  std::memcpy(chunk->data(), bytes.data(), bytes.size());
-  return adopt(std::move(chunk), bytes.size());
+  // One allocation holds the reference count and the bytes.
+  std::shared_ptr<std::uint8_t[]> buf = std::make_shared_for_overwrite<std::uint8_t[]>(bytes.size());
+  std::memcpy(buf.get(), bytes.data(), bytes.size());
+  Payload p;
+  const std::uint8_t* data = buf.get();
+  p.append(Slice{std::move(buf), data, bytes.size()});
+  return p;
 }
 
 Payload Payload::copy_of(std::string_view bytes) {

@@ -16,7 +16,7 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <vector>
+#include <boost/container/small_vector.hpp>
 
 namespace spindle {
 
@@ -36,7 +36,7 @@ class Chunk {
 };
 
 struct Slice {
-  std::shared_ptr<const Chunk> owner;  // keeps the bytes alive
+  std::shared_ptr<const void> owner;  // keeps the bytes alive (a Chunk, or a byte array)
   const std::uint8_t* data = nullptr;
   std::size_t size = 0;
 };
@@ -52,7 +52,7 @@ class Payload {
   void append(Slice s);
   std::size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
-  const std::vector<Slice>& slices() const { return slices_; }
+  std::span<const Slice> slices() const { return {slices_.data(), slices_.size()}; }
 
   // Explicit copies, for small payloads and for callers that need contiguity.
   std::string to_string() const;
@@ -61,7 +61,8 @@ class Payload {
   std::span<const std::uint8_t> contiguous() const;
 
  private:
-  std::vector<Slice> slices_;
+  // Most payloads are one or two slices: keep those inline, no allocation.
+  boost::container::small_vector<Slice, 2> slices_;
   std::size_t size_ = 0;
 };
 

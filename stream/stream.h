@@ -130,7 +130,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
 
   void arm_read();
   void arm_write();
-  void on_readable();
+  void on_read(std::size_t n);
   void process_input();
   bool run_handshake();  // false if the stream closed
   void on_eof();
