@@ -283,7 +283,9 @@ RouterStats Router::stats() {
 }
 
 void Router::hold_unknown_handles(bool hold) {
-  broker_.defer([this, hold] {
+  // After the broker stopped there is nothing to hold or release: shutdown
+  // already answered whatever waited.
+  broker_.try_defer([this, hold] {
     hold_unknown_ = hold;
     if (hold) return;
     std::vector<Message> held;

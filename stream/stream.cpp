@@ -24,6 +24,8 @@ namespace spindle {
 namespace {
 
 constexpr int kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
+constexpr std::size_t kSmallFrame = 2048;          // copied into the staging buffer
+constexpr std::size_t kStagingSize = 256 * 1024;   // per write, at most
 
 void set_nonblocking(int fd) {
   int fl = ::fcntl(fd, F_GETFL);
@@ -237,36 +239,60 @@ void Stream::enqueue(Message&& m, std::size_t charged) {
   (state_ == StreamState::kHandshaking ? held_ : txq_).push_back(std::move(f));
 }
 
+// Builds the iovecs for the next write from the unsent bytes of the queue.
+// Small frames are copied into one staging buffer, so a burst of tiny
+// messages is one segment for the kernel instead of two per frame; a large
+// payload is pointed at where it lies, never copied.
+int Stream::gather(iovec* iov, std::size_t& want) {
+  staging_.clear();
+  if (staging_.capacity() < kStagingSize) staging_.reserve(kStagingSize);
+  int cnt = 0;
+  auto add = [&](const std::uint8_t* p, std::size_t len, bool stage) {
+    if (len == 0) return;
+    want += len;
+    if (stage) {
+      std::uint8_t* dst = staging_.data() + staging_.size();
+      bool extends = cnt > 0 && static_cast<std::uint8_t*>(iov[cnt - 1].iov_base) +
+                                        iov[cnt - 1].iov_len == dst;
+      staging_.insert(staging_.end(), p, p + len);
+      if (extends) iov[cnt - 1].iov_len += len;
+      else iov[cnt++] = {dst, len};
+    } else {
+      iov[cnt++] = {const_cast<std::uint8_t*>(p), len};
+    }
+  };
+  for (const OutFrame& f : txq_) {
+    std::size_t left = f.size() - f.sent;
+    bool stage = left <= kSmallFrame && staging_.size() + left <= kStagingSize;
+    // A frame that would not fit whole waits for the next write, unless it is
+    // first: then it goes out in parts (a payload may have > IOV_MAX slices).
+    if (!stage && cnt > 0 && cnt + 2 + static_cast<int>(f.payload.slices().size()) > kMaxIov) break;
+    std::size_t skip = f.sent;
+    if (f.has_header) {
+      if (skip < kHeaderSize) add(f.header.data() + skip, kHeaderSize - skip, stage);
+      skip = skip > kHeaderSize ? skip - kHeaderSize : 0;
+    }
+    for (const Slice& sl : f.payload.slices()) {
+      if (cnt == kMaxIov) break;
+      if (skip >= sl.size) {
+        skip -= sl.size;
+        continue;
+      }
+      add(sl.data + skip, sl.size - skip, stage);
+      skip = 0;
+    }
+    if (cnt >= kMaxIov - 1 || (stage && staging_.size() == kStagingSize)) break;
+  }
+  return cnt;
+}
+
 void Stream::flush() {
   if (write_armed_ || state_ == StreamState::kClosed || write_shut_) return;
   const int fd = writer().native_handle();
   while (!txq_.empty()) {
     iovec iov[kMaxIov];
-    int cnt = 0;
     std::size_t want = 0;
-    for (const OutFrame& f : txq_) {
-      std::size_t skip = f.sent;
-      if (f.has_header) {
-        if (skip < kHeaderSize) {
-          iov[cnt++] = {const_cast<std::uint8_t*>(f.header.data()) + skip, kHeaderSize - skip};
-          want += kHeaderSize - skip;
-          skip = 0;
-        } else {
-          skip -= kHeaderSize;
-        }
-      }
-      for (const Slice& s : f.payload.slices()) {
-        if (cnt == kMaxIov) break;
-        if (skip >= s.size) {
-          skip -= s.size;
-          continue;
-        }
-        iov[cnt++] = {const_cast<std::uint8_t*>(s.data) + skip, s.size - skip};
-        want += s.size - skip;
-        skip = 0;
-      }
-      if (cnt >= kMaxIov - 1) break;
-    }
+    int cnt = gather(iov, want);
     ssize_t n;
     if (is_socket_) {
       msghdr mh{};

@@ -42,6 +42,8 @@
 #include "stream/output_gauge.h"
 #include "stream/parser.h"
 
+struct iovec;
+
 namespace spindle {
 
 class Stream;
@@ -137,6 +139,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void half_close();
   void queue_raw(std::vector<std::uint8_t> bytes);
   void advance(std::size_t n);
+  int gather(struct iovec* iov, std::size_t& want);
   asio::posix::stream_descriptor& writer() { return wr_ ? *wr_ : rd_; }
 
   Broker& broker_;
@@ -152,6 +155,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   std::optional<FrameParser> parser_;
   std::deque<OutFrame> txq_;
   std::deque<OutFrame> held_;  // messages queued before the handshake completed
+  std::vector<std::uint8_t> staging_;  // small frames gathered for one write
   std::shared_ptr<OutputGauge> gauge_;
   asio::steady_timer handshake_timer_;
   bool read_armed_ = false, write_armed_ = false;
