@@ -4,18 +4,22 @@
 // that the broker drains in batches with one coalesced wake-up; everything
 // else goes through Broker::defer(). Streams touched during a batch are
 // flushed once at its end, so a burst of messages becomes one gathered write.
+//
+// This file holds the routing core (sending, forwarding, local dispatch and
+// dead replies); calls.cpp holds request/reply matching and deadlines,
+// links.cpp the streams, the control handles and disconnect propagation.
 #include "router/router.h"
 
 #include <cxxabi.h>
 #include <unistd.h>
 
-#include <charconv>
 #include <cstdlib>
 
 #include <fmt/format.h>
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "router/control.h"
 #include "router/reasons.h"
 
 namespace spindle {
@@ -27,28 +31,6 @@ std::string demangle(const char* mangled) {
   std::string out = (status == 0 && s) ? s : mangled;
   std::free(s);
   return out;
-}
-
-std::optional<std::uint32_t> parse_id(std::string_view s) {
-  std::uint32_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p != s.data() + s.size() || s.empty()) return std::nullopt;
-  return v;
-}
-
-Message dead_message(std::string_view reason) {
-  Message d = Message::make(0, 0, Payload::copy_of(reason), kEncMitogen);
-  d.header.reply_to = kHandleIsDead;
-  return d;
-}
-
-spdlog::level::level_enum level_from_python(int levelno) {
-  if (levelno >= 50) return spdlog::level::critical;
-  if (levelno >= 40) return spdlog::level::err;
-  if (levelno >= 30) return spdlog::level::warn;
-  if (levelno >= 20) return spdlog::level::info;
-  if (levelno >= 10) return spdlog::level::debug;
-  return spdlog::level::trace;
 }
 
 }  // namespace
@@ -146,107 +128,6 @@ void Router::send_impl(Message msg, std::chrono::milliseconds timeout,
   }
 }
 
-// Registers a one-shot reply handler for `msg`, arms its deadline and sends
-// it. `done` runs exactly once: with the reply, or with the exception a dead
-// reply, CallError, timeout or disconnect turns into. Whoever removes the
-// handler from the table completes the call, so these never race.
-void Router::start_call(Message msg, std::chrono::milliseconds timeout, CallCompletion done) {
-  const std::uint32_t dst = msg.header.dst_id;
-  HandlerOptions ho;
-  ho.persistent = false;
-  ho.respondent = dst;
-  auto shared_done = std::make_shared<CallCompletion>(std::move(done));
-  std::uint32_t h = handlers_.add(
-      [shared_done](Message&& reply) {
-        if (reply.is_dead()) {
-          (*shared_done)({}, std::make_exception_ptr(ChannelError(reply.text())));
-        } else if (reply.is_call_error()) {
-          CallErrorText e = parse_call_error(reply);
-          (*shared_done)({}, std::make_exception_ptr(CallError(e.type, e.what)));
-        } else {
-          (*shared_done)(std::move(reply), nullptr);
-        }
-      },
-      ho);
-  msg.header.reply_to = h;
-  CallDeadline d{Clock::now() + timeout, [this, h, shared_done, dst, timeout] {
-                   if (handlers_.take(h))
-                     (*shared_done)({}, std::make_exception_ptr(TimeoutError(fmt::format(
-                                            "{}: no reply from context {} within {} ms",
-                                            errtext::kCallTimedOut, dst, timeout.count()))));
-                 }};
-  try {
-    send_impl(std::move(msg), timeout, std::move(d));
-  } catch (...) {
-    handlers_.take(h);
-    throw;
-  }
-}
-
-std::future<Message> Router::request(Message msg, std::chrono::milliseconds timeout) {
-  auto promise = std::make_shared<std::promise<Message>>();
-  auto fut = promise->get_future();
-  start_call(std::move(msg), timeout, [promise](Message&& reply, std::exception_ptr err) {
-    if (err) promise->set_exception(err);
-    else promise->set_value(std::move(reply));
-  });
-  return fut;
-}
-
-// A blocking call waits on one atomic word (a futex) rather than a promise,
-// which costs a second wake-up per reply.
-Message Router::call(Message msg, std::chrono::milliseconds timeout) {
-  if (broker_.on_broker_thread()) throw Error("call() would block the broker thread; use request()");
-  struct Waiter {
-    std::atomic<std::uint32_t> done{0};
-    Message reply;
-    std::exception_ptr error;
-  };
-  auto w = std::make_shared<Waiter>();
-  start_call(std::move(msg), timeout, [w](Message&& reply, std::exception_ptr err) {
-    w->reply = std::move(reply);
-    w->error = err;
-    w->done.store(1, std::memory_order_release);
-    w->done.notify_one();
-  });
-  w->done.wait(0, std::memory_order_acquire);
-  if (w->error) std::rethrow_exception(w->error);
-  return std::move(w->reply);
-}
-
-void Router::arm_deadline(std::uint32_t handle, CallDeadline d) {
-  auto it = deadlines_.emplace(d.when, std::make_pair(handle, std::move(d.expire)));
-  deadline_of_[handle] = it;
-  if (d.when < armed_for_) arm_deadline_timer(d.when);
-}
-
-void Router::arm_deadline_timer(Clock::time_point when) {
-  armed_for_ = when;
-  deadline_timer_.expires_at(when);  // cancels the wait armed for a later deadline
-  deadline_timer_.async_wait([this](const std::error_code& ec) {
-    if (ec == asio::error::operation_aborted) return;
-    armed_for_ = Clock::time_point::max();
-    expire_deadlines();
-  });
-}
-
-void Router::cancel_deadline(std::uint32_t handle) {
-  auto it = deadline_of_.find(handle);
-  if (it == deadline_of_.end()) return;
-  deadlines_.erase(it->second);
-  deadline_of_.erase(it);
-}
-
-void Router::expire_deadlines() {
-  const auto now = Clock::now();
-  while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
-    auto node = deadlines_.extract(deadlines_.begin());
-    deadline_of_.erase(node.mapped().first);
-    node.mapped().second();
-  }
-  if (!deadlines_.empty()) arm_deadline_timer(deadlines_.begin()->first);
-}
-
 void Router::reply(const Message& req, Payload data, std::uint16_t enc) {
   if (req.header.reply_to == 0 || req.is_dead()) return;
   send(Message::reply_to(req, std::move(data), enc));
@@ -262,7 +143,7 @@ std::uint32_t Router::allocate_id() {
   if (broker_.on_broker_thread()) throw Error("allocate_id() would block the broker thread");
   Message reply = request(Message::make(0, kHandleAllocateId, {}, kEncMitogen),
                           std::chrono::milliseconds(10000)).get();
-  auto id = parse_id(reply.text());
+  auto id = parse_context_id(reply.text());
   if (!id) throw Error("malformed ALLOCATE_ID reply: " + reply.text());
   return *id;
 }
@@ -294,132 +175,10 @@ void Router::hold_unknown_handles(bool hold) {
   });
 }
 
-// ---------------------------------------------------------------- streams
-
-void Router::attach_parent(int read_fd, int write_fd) {
-  if (broker_.on_broker_thread()) throw Error("attach_parent() would block the broker thread");
-  auto ready = parent_ready_.get_future();
-  broker_.defer([this, read_fd, write_fd] {
-    StreamOptions so;
-    so.name = "parent";
-    so.max_message_size = opts_.max_message_size;
-    so.high_water_mark = opts_.high_water_mark;
-    so.handshake_timeout = opts_.handshake_timeout;
-    auto s = Stream::create(broker_, read_fd, write_fd, so,
-                            std::make_unique<ClientHandshake>(static_cast<std::uint32_t>(::getpid())),
-                            this);
-    register_link(s, StreamRole::kParent, 0, "parent");
-    s->start();
-  });
-  std::string err = ready.get();
-  if (!err.empty()) throw Error("cannot attach to parent: " + err);
-}
-
-std::shared_ptr<Stream> Router::add_child_stream(int read_fd, int write_fd, std::uint32_t child_id,
-                                                 const std::string& name) {
-  if (shutting_down_ || broker_.state() != Broker::State::kRunning) {
-    // No new work once shutdown has begun: the child sees EOF and exits.
-    log().warn("stream={} refused: {} (child ctx={} not adopted)", name, reason::kShuttingDown, child_id);
-    ::close(read_fd);
-    if (write_fd != read_fd) ::close(write_fd);
-    return nullptr;
-  }
-  StreamOptions so;
-  so.name = name.empty() ? fmt::format("child-{}", child_id) : name;
-  so.max_message_size = opts_.max_message_size;
-  so.high_water_mark = opts_.high_water_mark;
-  so.handshake_timeout = opts_.handshake_timeout;
-  auto hs = std::make_unique<ServerHandshake>(
-      id(), static_cast<std::uint32_t>(::getpid()), opts_.max_message_size,
-      [child_id](const PeerInfo&) -> ServerHandshake::Assignment { return child_id; });
-  auto s = Stream::create(broker_, read_fd, write_fd, so, std::move(hs), this);
-  register_link(s, StreamRole::kChild, child_id, so.name);
-  s->start();
-  return s;
-}
-
-void Router::register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint32_t remote_id,
-                           const std::string& name) {
-  auto link = std::make_unique<Link>();
-  link->stream = s;
-  link->role = role;
-  link->remote_id = remote_id;
-  link->name = name;
-  Link& l = *link;
-  links_.emplace(s.get(), std::move(link));
-  if (role == StreamRole::kParent) {
-    parent_ = &l;
-  } else {
-    add_route(remote_id, l);
-  }
-}
-
-Router::Link* Router::link_of(const Stream& s) {
-  auto it = links_.find(const_cast<Stream*>(&s));
-  return it == links_.end() ? nullptr : it->second.get();
-}
-
 Router::Link* Router::route_for(std::uint32_t dst) {
   auto it = routes_.find(dst);
   if (it != routes_.end()) return it->second;
   return parent_;
-}
-
-void Router::add_route(std::uint32_t id, Link& via) {
-  routes_[id] = &via;
-  via.behind.insert(id);
-  {
-    std::lock_guard lk(gauges_mu_);
-    gauges_[id] = via.stream->gauge_ptr();
-  }
-  if (parent_ && &via != parent_ && parent_->stream->is_open())
-    announce(kHandleAddRoute, fmt::format("{}:{}", id, via.name), nullptr, {parent_});
-}
-
-void Router::on_stream_open(Stream& s) {
-  Link* l = link_of(s);
-  if (!l) return;
-  const PeerInfo& p = s.peer();
-  if (l->role == StreamRole::kParent) {
-    id_.store(p.local_id, std::memory_order_release);
-    l->remote_id = p.remote_id;
-    routes_[p.remote_id] = l;
-    l->behind.insert(p.remote_id);
-    {
-      std::lock_guard lk(gauges_mu_);
-      parent_id_ = p.remote_id;
-      parent_gauge_ = s.gauge_ptr();
-      gauges_[p.remote_id] = parent_gauge_;
-    }
-    set_log_context(p.local_id, opts_.name);
-    log().info("stream={} attached to parent ctx={} pid={}", s.name(), p.remote_id, p.pid);
-    // Announce the children that connected before the parent link opened.
-    for (auto& [sp, link] : links_)
-      if (link->role == StreamRole::kChild)
-        for (std::uint32_t cid : link->behind)
-          announce(kHandleAddRoute, fmt::format("{}:{}", cid, link->name), nullptr, {parent_});
-    if (!parent_ready_set_) {
-      parent_ready_set_ = true;
-      parent_ready_.set_value({});
-    }
-  } else {
-    log().info("stream={} child ctx={} pid={} connected", s.name(), l->remote_id, p.pid);
-  }
-}
-
-void Router::on_stream_batch_end(Stream&) { flush_dirty(); }
-
-void Router::on_stream_invalid(Stream& s, const ParseResult& r) {
-  Link* l = link_of(s);
-  if (!l || !r.header_valid) return;
-  Message about;
-  about.header = r.header;
-  // The sender is told why, on the stream it used, before the stream closes.
-  if (Message::wants_dead_reply(about)) {
-    Message d = Message::dead_reply(about, r.error);
-    d.header.src_id = d.header.auth_id = id();
-    enqueue_on(*l, std::move(d), 0);
-  }
 }
 
 void Router::on_stream_message(Stream& s, Message&& m) {
@@ -603,185 +362,6 @@ void Router::dispatch_local(Message&& m, Link*) {
     if (Message::wants_dead_reply(request_head))
       send_internal(Message::call_error(request_head, type, e.what()));
   }
-}
-
-bool Router::handle_control(Link& in, Message& m) {
-  const std::uint32_t h = m.header.handle;
-  if (h != kHandleAddRoute && h != kHandleDelRoute && h != kHandleShutdown && h != kHandleForwardLog)
-    return false;
-  std::string text = m.text();
-  if (h == kHandleForwardLog) {
-    // name NUL levelno NUL message
-    auto a = text.find('\0');
-    auto b = a == std::string::npos ? a : text.find('\0', a + 1);
-    if (b == std::string::npos) {
-      log().warn("stream={} malformed FORWARD_LOG payload ({} bytes)", in.stream->name(), text.size());
-      return true;
-    }
-    int levelno = std::atoi(text.substr(a + 1, b - a - 1).c_str());
-    log().log(level_from_python(levelno), "[{}] {}", text.substr(0, a), text.substr(b + 1));
-    return true;
-  }
-  if (h == kHandleShutdown) {
-    if (&in != parent_ || m.header.src_id != in.remote_id) {
-      send_dead(m, fmt::format("{}: SHUTDOWN is accepted only from the parent", reason::kRefusedByPolicy));
-      return true;
-    }
-    log().info("stream={} parent asked this context to shut down", in.stream->name());
-    broker_.shutdown();
-    return true;
-  }
-  // ADD_ROUTE "id[:name]" / DEL_ROUTE "id"
-  auto colon = text.find(':');
-  auto target = parse_id(std::string_view(text).substr(0, colon));
-  if (!target) {
-    log().warn("stream={} malformed {} payload '{}'", in.stream->name(),
-               h == kHandleAddRoute ? "ADD_ROUTE" : "DEL_ROUTE", text.substr(0, 64));
-    return true;
-  }
-  if (h == kHandleAddRoute) {
-    if (in.role != StreamRole::kChild) return true;  // routes are announced upwards only
-    Link* cur = routes_.count(*target) ? routes_[*target] : nullptr;
-    if (*target == id() || (parent_ && *target == parent_->remote_id) || (cur && cur != &in)) {
-      log().warn("stream={} refused ADD_ROUTE for context {}: already routed elsewhere",
-                 in.stream->name(), *target);
-      return true;
-    }
-    if (!cur) add_route(*target, in);
-    return true;
-  }
-  // DEL_ROUTE
-  auto it = routes_.find(*target);
-  if (in.role == StreamRole::kChild) {
-    if (it == routes_.end() || it->second != &in) return true;  // not theirs to delete
-    remove_route(*target, "route deleted by " + in.stream->name());
-  } else if (it != routes_.end()) {
-    return true;  // the parent cannot delete a route that runs through a child
-  }
-  context_gone(*target,
-               fmt::format("{}: context {} (DEL_ROUTE from {})", reason::kPeerDisconnected, *target,
-                           in.stream->name()),
-               &in);
-  return true;
-}
-
-void Router::remove_route(std::uint32_t id, const std::string&) {
-  auto it = routes_.find(id);
-  if (it == routes_.end()) return;
-  it->second->behind.erase(id);
-  routes_.erase(it);
-  std::lock_guard lk(gauges_mu_);
-  gauges_.erase(id);
-}
-
-void Router::context_gone(std::uint32_t gone, const std::string& why, Link* told_by) {
-  fail_handlers(handlers_.take_by_respondent([gone](std::uint32_t r) { return r == gone; }), why);
-  std::vector<std::function<void(const std::string&)>> watchers;
-  {
-    std::lock_guard lk(disconnect_mu_);
-    auto it = disconnect_watchers_.find(gone);
-    if (it != disconnect_watchers_.end()) {
-      watchers = std::move(it->second);
-      disconnect_watchers_.erase(it);
-    }
-  }
-  for (auto& w : watchers) w(why);
-  std::unordered_set<Link*> tell;
-  for (auto& [s, l] : links_) {
-    if (l->egress.erase(gone) && l.get() != parent_) tell.insert(l.get());
-  }
-  if (parent_) tell.insert(parent_);
-  announce(kHandleDelRoute, std::to_string(gone), told_by, tell);
-}
-
-void Router::announce(std::uint32_t handle, const std::string& payload, Link* skip,
-                      const std::unordered_set<Link*>& to) {
-  for (Link* l : to) {
-    if (l == skip || !l->stream->accepts_output() || l->stream->state() == StreamState::kHandshaking)
-      continue;
-    Message m = Message::make(l->remote_id, handle, Payload::copy_of(payload), kEncMitogen);
-    m.header.src_id = m.header.auth_id = id();
-    enqueue_on(*l, std::move(m), 0);
-  }
-}
-
-void Router::fail_handlers(std::vector<HandlerPtr> hs, const std::string& why) {
-  for (HandlerPtr& h : hs) {
-    cancel_deadline(h->handle);
-    try {
-      h->fn(dead_message(why));
-    } catch (const std::exception& e) {
-      log().error("handler threw while being failed ({}): {}", why, e.what());
-    }
-  }
-}
-
-void Router::on_stream_closed(Stream& s, const std::string& why, std::vector<Message> unsent) {
-  auto it = links_.find(&s);
-  if (it == links_.end()) return;
-  std::unique_ptr<Link> link = std::move(it->second);
-  links_.erase(it);
-  dirty_.erase(&s);
-  const bool was_parent = link.get() == parent_;
-  std::vector<std::uint32_t> gone(link->behind.begin(), link->behind.end());
-  for (std::uint32_t id : gone) remove_route(id, why);
-  std::string detail = fmt::format("{}: {} ({})", reason::kPeerDisconnected, link->name, why);
-  if (was_parent) {
-    parent_ = nullptr;
-    {
-      std::lock_guard lk(gauges_mu_);
-      parent_gauge_.reset();
-    }
-    if (!parent_ready_set_) {
-      parent_ready_set_ = true;
-      parent_ready_.set_value(why.empty() ? "closed" : why);
-    }
-    log().info("stream={} lost the parent: {}", s.name(), why);
-  } else {
-    log().info("stream={} child ctx={} disconnected: {}", s.name(), link->remote_id, why);
-  }
-  for (Message& m : unsent) send_dead(m, detail);
-  for (std::uint32_t id : gone) context_gone(id, detail);
-  if (was_parent) {
-    // Everything not routed through a child was reached via the parent.
-    fail_handlers(handlers_.take_by_respondent([this](std::uint32_t r) {
-                    return r != id() && !routes_.count(r);
-                  }),
-                  detail);
-    broker_.shutdown();  // a child does not outlive its parent link
-  }
-  maybe_drained();
-}
-
-void Router::on_shutdown_begin() {
-  shutting_down_ = true;
-  hold_unknown_ = false;  // nothing more will register: answer what waited
-  std::vector<Message> held;
-  held.swap(held_unknown_);
-  for (Message& m : held) dispatch_local(std::move(m), nullptr);
-  // Any write below may fail, close its stream and free its Link: hold the
-  // streams and look each Link up again before using it.
-  std::vector<std::shared_ptr<Stream>> streams;
-  for (auto& [s, l] : links_) streams.push_back(l->stream);
-  for (auto& s : streams) {
-    Link* l = link_of(*s);
-    if (!l || l->role != StreamRole::kChild || !s->is_open()) continue;
-    Message m = Message::make(l->remote_id, kHandleShutdown, {}, kEncMitogen);
-    m.header.src_id = m.header.auth_id = id();
-    enqueue_on(*l, std::move(m), 0);
-  }
-  for (auto& s : streams) s->drain();
-  maybe_drained();
-}
-
-void Router::on_shutdown_deadline() {
-  std::vector<std::shared_ptr<Stream>> all;
-  for (auto& [s, l] : links_) all.push_back(l->stream);
-  for (auto& s : all) s->close("shutdown grace period over");
-}
-
-void Router::maybe_drained() {
-  if (shutting_down_ && links_.empty()) broker_.participant_drained(this);
 }
 
 }  // namespace spindle

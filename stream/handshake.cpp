@@ -5,24 +5,13 @@
 
 #include <fmt/format.h>
 
+#include "stream/byte_order.h"
+
 namespace spindle {
 namespace {
 
 constexpr std::uint8_t kMagicHello[4] = {'S', 'P', 'D', 'L'};
 constexpr std::uint8_t kMagicRefusal[4] = {'S', 'P', 'N', 'O'};
-
-void put16(std::vector<std::uint8_t>& v, std::uint16_t x) {
-  v.push_back(static_cast<std::uint8_t>(x >> 8));
-  v.push_back(static_cast<std::uint8_t>(x));
-}
-void put32(std::vector<std::uint8_t>& v, std::uint32_t x) {
-  for (int i = 3; i >= 0; --i) v.push_back(static_cast<std::uint8_t>(x >> (8 * i)));
-}
-std::uint16_t get16(const std::uint8_t* p) { return static_cast<std::uint16_t>((p[0] << 8) | p[1]); }
-std::uint32_t get32(const std::uint8_t* p) {
-  return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
-         std::uint32_t{p[3]};
-}
 
 void append(std::vector<std::uint8_t>& out, const std::vector<std::uint8_t>& bytes) {
   out.insert(out.end(), bytes.begin(), bytes.end());
@@ -33,9 +22,9 @@ void append(std::vector<std::uint8_t>& out, const std::vector<std::uint8_t>& byt
 std::vector<std::uint8_t> encode_hello(std::uint16_t version, std::uint16_t flags,
                                        std::uint32_t pid) {
   std::vector<std::uint8_t> v(kMagicHello, kMagicHello + 4);
-  put16(v, version);
-  put16(v, flags);
-  put32(v, pid);
+  be::append16(v, version);
+  be::append16(v, flags);
+  be::append32(v, pid);
   return v;
 }
 
@@ -43,19 +32,19 @@ std::vector<std::uint8_t> encode_welcome(std::uint16_t flags, std::uint32_t your
                                          std::uint32_t server_id, std::uint32_t server_pid,
                                          std::uint32_t max_message_size) {
   std::vector<std::uint8_t> v(kMagicHello, kMagicHello + 4);
-  put16(v, kProtocolVersion);
-  put16(v, flags);
-  put32(v, your_id);
-  put32(v, server_id);
-  put32(v, server_pid);
-  put32(v, max_message_size);
+  be::append16(v, kProtocolVersion);
+  be::append16(v, flags);
+  be::append32(v, your_id);
+  be::append32(v, server_id);
+  be::append32(v, server_pid);
+  be::append32(v, max_message_size);
   return v;
 }
 
 std::vector<std::uint8_t> encode_refusal(const std::string& reason) {
   std::vector<std::uint8_t> v(kMagicRefusal, kMagicRefusal + 4);
   std::size_t n = std::min(reason.size(), kMaxRefusalReason);
-  put16(v, static_cast<std::uint16_t>(n));
+  be::append16(v, static_cast<std::uint16_t>(n));
   v.insert(v.end(), reason.begin(), reason.begin() + static_cast<std::ptrdiff_t>(n));
   return v;
 }
@@ -70,7 +59,7 @@ HandshakeResult ClientHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>
   std::uint8_t head[6];
   rx.peek(head, 6);
   if (std::memcmp(head, kMagicRefusal, 4) == 0) {
-    std::size_t len = get16(head + 4);
+    std::size_t len = be::get16(head + 4);
     if (rx.readable() < 6 + len) return r;
     std::string reason(6 + len, '\0');
     rx.read_into(reinterpret_cast<std::uint8_t*>(reason.data()), reason.size());
@@ -89,12 +78,12 @@ HandshakeResult ClientHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>
   std::uint8_t w[kWelcomeSize];
   rx.read_into(w, kWelcomeSize);
   r.consumed = kWelcomeSize;
-  peer_.version = get16(w + 4);
-  peer_.flags = get16(w + 6);
-  peer_.local_id = get32(w + 8);
-  peer_.remote_id = get32(w + 12);
-  peer_.pid = get32(w + 16);
-  peer_.max_message_size = get32(w + 20);
+  peer_.version = be::get16(w + 4);
+  peer_.flags = be::get16(w + 6);
+  peer_.local_id = be::get32(w + 8);
+  peer_.remote_id = be::get32(w + 12);
+  peer_.pid = be::get32(w + 16);
+  peer_.max_message_size = be::get32(w + 20);
   if (peer_.version != kProtocolVersion) {
     r.status = HandshakeStatus::kInvalid;
     r.error = fmt::format("unsupported protocol version {} (this side speaks {})", peer_.version,
@@ -125,9 +114,9 @@ HandshakeResult ServerHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>
   }
   rx.drop(kHelloSize);
   r.consumed = kHelloSize;
-  peer_.version = get16(h + 4);
-  peer_.flags = get16(h + 6);
-  peer_.pid = get32(h + 8);
+  peer_.version = be::get16(h + 4);
+  peer_.flags = be::get16(h + 6);
+  peer_.pid = be::get32(h + 8);
   if (peer_.version != kProtocolVersion) {
     r.status = HandshakeStatus::kInvalid;
     r.error = fmt::format("unsupported protocol version {} (server speaks {})", peer_.version,

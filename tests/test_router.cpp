@@ -26,12 +26,15 @@
 #include "router/child.h"
 #include "router/reasons.h"
 #include "router/router.h"
+#include "tests/router_test_util.h"
 #include "stream/frame.h"
 #include "stream/handshake.h"
 #include "stream/message.h"
 
 namespace spindle {
 namespace {
+
+using namespace testutil;
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -45,22 +48,6 @@ constexpr std::uint32_t kGetGrandchild = 3100;
 constexpr std::uint32_t kGcHang = 3101;
 constexpr std::uint32_t kGcEcho = 3102;
 constexpr std::uint32_t kRootArrived = 3103;
-
-bool contains(const std::string& hay, std::string_view needle) {
-  return hay.find(needle) != std::string::npos;
-}
-
-ChildOptions named(std::string name) {
-  ChildOptions o;
-  o.name = std::move(name);
-  return o;
-}
-
-RouterOptions root_opts(std::string name = "root") {
-  RouterOptions o;
-  o.name = std::move(name);
-  return o;
-}
 
 // Registers an echo handler on `r`.
 void add_echo(Router& r, std::uint32_t handle = kEcho) {
@@ -83,12 +70,6 @@ std::string expect_throw(F&& fn) {
   return {};
 }
 
-void expect_clean_exit(const Context& c) {
-  auto st = c.wait_exit(10s);
-  ASSERT_TRUE(st.has_value()) << c.name() << " did not exit";
-  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << c.name() << ": " << describe_wait_status(*st);
-}
-
 // ------------------------------------------------------------ forked children
 
 int echo_child(ChildEnv& env) {
@@ -107,7 +88,7 @@ TEST(RouterRules, CallToUnregisteredHandleIsInvalidHandle) {
   EXPECT_TRUE(what.starts_with(reason::kInvalidHandle)) << what;
   EXPECT_TRUE(contains(what, "4242")) << what;
   c.shutdown();
-  expect_clean_exit(c);
+  expect_exit_code(c, 0);
 }
 
 TEST(RouterRules, RequestToUnknownContextIsNoRoute) {
@@ -164,7 +145,7 @@ TEST(RouterRules, RequestToUnknownContextFromChildIsNoRoute) {
   EXPECT_TRUE(contains(out, reason::kNoRoute)) << out;
   EXPECT_TRUE(contains(out, "ChannelError")) << out;
   c.shutdown();
-  expect_clean_exit(c);
+  expect_exit_code(c, 0);
 }
 
 TEST(RouterRules, PolicyRefusalIsRefusedByPolicy) {
@@ -190,7 +171,7 @@ TEST(RouterRules, PolicyRefusalIsRefusedByPolicy) {
   what = expect_throw<ChannelError>([&] { c.call(kOnlyPassword, std::string_view("guess"), 10s); });
   EXPECT_TRUE(contains(what, reason::kRefusedByPolicy)) << what;
   c.shutdown();
-  expect_clean_exit(c);
+  expect_exit_code(c, 0);
 }
 
 TEST(RouterRules, SendAboveMaxMessageSizeThrowsTooLarge) {
@@ -214,7 +195,7 @@ TEST(RouterRules, SendAboveMaxMessageSizeThrowsTooLarge) {
   std::string at_limit(kMax, 'y');
   EXPECT_TRUE(c.call(kEcho, Payload::copy_of(at_limit), 20s).to_string() == at_limit);
   c.shutdown();
-  expect_clean_exit(c);
+  expect_exit_code(c, 0);
 }
 
 // Child A: on kAskSibling (payload = a sibling's id), calls kPing on that
@@ -274,8 +255,8 @@ std::string sibling_call(bool unidirectional) {
   std::string out = a.call(kAskSibling, std::to_string(b.id()), 20s);
   a.shutdown();
   b.shutdown();
-  expect_clean_exit(a);
-  expect_clean_exit(b);
+  expect_exit_code(a, 0);
+  expect_exit_code(b, 0);
   return out + fmt::format(" [B={}]", b.id());
 }
 
@@ -619,7 +600,7 @@ TEST(RouterRoutes, GrandchildReachableAndItsDeathPropagates) {
   EXPECT_EQ(middle.call(kGetGrandchild, std::string_view{}, 10s), info);
 
   middle.shutdown();
-  expect_clean_exit(middle);
+  expect_exit_code(middle, 0);
 }
 
 }  // namespace

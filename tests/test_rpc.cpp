@@ -31,9 +31,12 @@
 #include "router/child.h"
 #include "router/reasons.h"
 #include "router/router.h"
+#include "tests/router_test_util.h"
 
 namespace spindle {
 namespace {
+
+using namespace testutil;
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -44,22 +47,6 @@ constexpr std::uint32_t kNeverReply = 3002;
 constexpr std::uint32_t kHangAndNotify = 3003;
 constexpr std::uint32_t kParentArrived = 4000;
 
-bool contains(const std::string& hay, std::string_view needle) {
-  return hay.find(needle) != std::string::npos;
-}
-
-ChildOptions named(std::string name) {
-  ChildOptions o;
-  o.name = std::move(name);
-  return o;
-}
-
-RouterOptions root_opts() {
-  RouterOptions o;
-  o.name = "root";
-  return o;
-}
-
 // Deterministic bytes that differ per size and seed.
 std::string pattern(std::size_t n, std::uint32_t seed) {
   std::string s(n, '\0');
@@ -69,13 +56,6 @@ std::string pattern(std::size_t n, std::uint32_t seed) {
     s[i] = static_cast<char>(x >> 24);
   }
   return s;
-}
-
-void expect_exit_code(const Context& c, int code) {
-  auto st = c.wait_exit(10s);
-  ASSERT_TRUE(st.has_value()) << c.name() << " did not exit";
-  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == code)
-      << c.name() << ": " << describe_wait_status(*st) << ", expected exit status " << code;
 }
 
 int service_child(ChildEnv& env) {
