@@ -288,7 +288,7 @@ void Router::on_shutdown_begin() {
   for (auto& [s, l] : links_) streams.push_back(l->stream);
   for (auto& s : streams) {
     Link* l = link_of(*s);
-    if (!l || l->role != StreamRole::kChild || !s->is_open()) continue;
+    if (!l || l->role != StreamRole::kChild || !s->accepts_output()) continue;
     Message m = Message::make(l->remote_id, kHandleShutdown, {}, kEncMitogen);
     m.header.src_id = m.header.auth_id = id();
     enqueue_on(*l, std::move(m), 0);

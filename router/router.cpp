@@ -83,6 +83,8 @@ void Router::send(Message msg, std::chrono::milliseconds timeout) {
   send_impl(std::move(msg), timeout, std::nullopt);
 }
 
+void Router::route(Message msg) { send_impl(std::move(msg), std::chrono::milliseconds(0), std::nullopt); }
+
 void Router::send_impl(Message msg, std::chrono::milliseconds timeout,
                        std::optional<CallDeadline> deadline) {
   const std::size_t size = msg.data.size();

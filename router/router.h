@@ -13,7 +13,7 @@
 // grows (never reused within a run); other contexts ask the root with
 // ALLOCATE_ID.
 //
-// Thread safety: send(), route(), call_async(), add_handler(), del_handler(),
+// Thread safety: send(), route(), request(), call(), add_handler(), del_handler(),
 // on_disconnect() and allocate_id() are safe from any thread. Stream events
 // and routing run on the broker thread. allocate_id() and attach_parent()
 // block, so they must not run on the broker thread.
@@ -79,6 +79,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   // Throws QueueFullError, ChannelError (peer gone), ShutdownError, or Error
   // (message too large).
   void send(Message msg, std::chrono::milliseconds timeout = kDefaultSendTimeout);
+  // Like send(), but never waits: a destination queue at its high-water mark
+  // throws QueueFullError at once (the "sender gets an error" policy).
+  void route(Message msg);
   // A request whose reply (or dead reply, or CallError) completes the future.
   // The timeout fails it with TimeoutError; a respondent that disconnects
   // fails it at once with ChannelError.

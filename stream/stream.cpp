@@ -175,7 +175,7 @@ bool Stream::run_handshake() {
   peer_ = handshake_->peer();
   handshake_.reset();
   handshake_timer_.cancel();
-  state_ = StreamState::kOpen;
+  state_ = drain_started_here_ ? StreamState::kDraining : StreamState::kOpen;
   parser_.emplace(rx_, opts_.max_message_size);
   for (OutFrame& f : held_) txq_.push_back(std::move(f));
   held_.clear();
@@ -341,9 +341,11 @@ void Stream::advance(std::size_t n) {
 
 void Stream::drain() {
   if (state_ == StreamState::kClosed || state_ == StreamState::kDraining) return;
-  if (state_ == StreamState::kHandshaking) return close("shutting down during handshake");
-  state_ = StreamState::kDraining;
   drain_started_here_ = true;
+  // A handshake in progress finishes first (the broker's grace deadline bounds
+  // it), so what was queued behind it is still delivered.
+  if (state_ == StreamState::kHandshaking) return;
+  state_ = StreamState::kDraining;
   flush();
 }
 

@@ -96,7 +96,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void enqueue(Message&& m, std::size_t charged);
   // Writes what is queued unless a write is already waiting for readiness.
   void flush();
-  // Graceful: flush, say goodbye, wait for the peer's EOF.
+  // Graceful: flush, say goodbye, wait for the peer's EOF. While handshaking,
+  // the handshake completes first and what was held behind it is sent.
   void drain();
   void close(const std::string& reason);
 
