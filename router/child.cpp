@@ -14,6 +14,8 @@
 #include <linux/close_range.h>
 
 #include <cerrno>
+#include <condition_variable>
+#include <mutex>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -108,6 +110,40 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
   return Context(parent, id, name, std::move(proc));
 }
 
+// fork() with the broker thread parked on a gate, so it holds no lock at the
+// moment of the fork: not malloc's, not a sanitizer allocator's (GCC 12's ASan
+// does not reset its allocator locks in the child: a child hung creating its
+// broker thread), not spdlog's, not ours. The thread calling this is the one
+// that forks, so it holds none either; other application threads are the
+// application's to quiesce.
+pid_t fork_quiesced(Broker& broker) {
+  if (broker.on_broker_thread()) return ::fork();
+  struct Gate {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool parked = false;
+    bool released = false;
+  };
+  auto gate = std::make_shared<Gate>();
+  broker.defer([gate] {
+    std::unique_lock lk(gate->mu);
+    gate->parked = true;
+    gate->cv.notify_all();
+    gate->cv.wait(lk, [&] { return gate->released; });
+  });
+  {
+    std::unique_lock lk(gate->mu);
+    gate->cv.wait(lk, [&] { return gate->parked; });
+  }
+  pid_t pid = ::fork();
+  if (pid != 0) {  // parent (or failure): let the broker go on
+    std::lock_guard lk(gate->mu);
+    gate->released = true;
+    gate->cv.notify_all();
+  }
+  return pid;
+}
+
 }  // namespace
 
 Context ChildEnv::parent() {
@@ -122,7 +158,14 @@ Context fork_child(Router& parent, ChildMain main, ChildOptions opts) {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) throw_errno("socketpair");
   std::fflush(nullptr);  // don't let the child flush the parent's buffered stdio twice
-  pid_t pid = ::fork();
+  pid_t pid;
+  try {
+    pid = fork_quiesced(parent.broker());
+  } catch (...) {  // the broker has shut down: no new children
+    ::close(sv[0]);
+    ::close(sv[1]);
+    throw;
+  }
   if (pid < 0) {
     int err = errno;
     ::close(sv[0]);

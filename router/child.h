@@ -1,6 +1,8 @@
 // Children: starting child contexts and running inside one.
 //
-// fork_child(): the parent makes a CLOEXEC socketpair and forks. The child
+// fork_child(): the parent makes a CLOEXEC socketpair and forks, with its
+// broker thread parked for the instant of the fork (so that thread holds no
+// lock the child could inherit locked). The child
 // closes every fd but its end of the pair, replaces the logger it inherited
 // (whose locks another parent thread may hold), builds a fresh Broker and
 // Router, completes the handshake with its parent and runs the user's main.
