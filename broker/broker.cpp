@@ -41,8 +41,10 @@ void Broker::run() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGPIPE);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  pthread_setname_np(pthread_self(), "spindle-broker");
+  if (int err = pthread_sigmask(SIG_BLOCK, &set, nullptr))
+    log().error("broker: cannot block SIGPIPE ({}); a write to a closed pipe may kill the process",
+                errno_text(err));
+  pthread_setname_np(pthread_self(), "spindle-broker");  // cosmetic: failure is harmless
 
   auto guard = asio::make_work_guard(io_);
   while (true) {

@@ -278,10 +278,9 @@ void Router::on_stream_closed(Stream& s, const std::string& why, std::vector<Mes
 
 void Router::on_shutdown_begin() {
   shutting_down_ = true;
-  hold_unknown_ = false;  // nothing more will register: answer what waited
-  std::vector<Message> held;
-  held.swap(held_unknown_);
-  for (Message& m : held) dispatch_local(std::move(m), nullptr);
+  // Messages held for handlers not registered yet stay held: the child's main
+  // may still register them (ready() releases them, and only then is this
+  // router drained). The grace deadline releases them at the latest.
   // Any write below may fail, close its stream and free its Link: hold the
   // streams and look each Link up again before using it.
   std::vector<std::shared_ptr<Stream>> streams;
@@ -298,13 +297,18 @@ void Router::on_shutdown_begin() {
 }
 
 void Router::on_shutdown_deadline() {
+  if (hold_unknown_) {
+    log().warn("shutdown deadline: main never declared ready(); answering {} held message(s)",
+               held_unknown_.size());
+    release_held();
+  }
   std::vector<std::shared_ptr<Stream>> all;
   for (auto& [s, l] : links_) all.push_back(l->stream);
   for (auto& s : all) s->close("shutdown grace period over");
 }
 
 void Router::maybe_drained() {
-  if (shutting_down_ && links_.empty()) broker_.participant_drained(this);
+  if (shutting_down_ && links_.empty() && !hold_unknown_) broker_.participant_drained(this);
 }
 
 }  // namespace spindle

@@ -165,16 +165,46 @@ RouterStats Router::stats() {
   return f.get();
 }
 
+// Holds `m` unless that would exceed the budget (high_water_mark bytes).
+bool Router::hold(Message& m) {
+  std::size_t size = kHeaderSize + m.data.size();
+  if (held_bytes_ + size > opts_.high_water_mark) {
+    log().warn("held-message budget of {} bytes exhausted; handle {} is answered now",
+               opts_.high_water_mark, m.header.handle);
+    return false;
+  }
+  held_bytes_ += size;
+  held_handles_.insert(m.header.handle);
+  held_unknown_.push_back(std::move(m));
+  return true;
+}
+
+void Router::release_held() {
+  hold_unknown_ = false;
+  std::vector<Message> held;
+  held.swap(held_unknown_);
+  held_bytes_ = 0;
+  held_handles_.clear();
+  for (Message& m : held) dispatch_local(std::move(m), nullptr);
+  maybe_drained();  // a router still holding was not drained
+}
+
 void Router::hold_unknown_handles(bool hold) {
-  // After the broker stopped there is nothing to hold or release: shutdown
-  // already answered whatever waited.
-  broker_.try_defer([this, hold] {
-    hold_unknown_ = hold;
-    if (hold) return;
-    std::vector<Message> held;
-    held.swap(held_unknown_);
-    for (Message& m : held) dispatch_local(std::move(m), nullptr);
-  });
+  auto apply = [this, hold] {
+    if (hold) hold_unknown_ = true;
+    else release_held();
+  };
+  if (broker_.on_broker_thread()) return apply();
+  // Synchronous, so that after ready() every held message has been handled.
+  // After the broker stopped there is nothing to wait for: shutdown already
+  // answered whatever was held.
+  std::promise<void> done;
+  auto f = done.get_future();
+  if (broker_.try_defer([&] {
+        apply();
+        done.set_value();
+      }))
+    f.wait();
 }
 
 Router::Link* Router::route_for(std::uint32_t dst) {
@@ -331,13 +361,13 @@ void Router::send_dead(const Message& about, std::string why) {
 
 void Router::dispatch_local(Message&& m, Link*) {
   ++stats_.delivered_locally;
+  // Keep each handle's order: once a handle has messages held, later ones for
+  // it queue behind them even if its handler has been registered since.
+  if (hold_unknown_ && !m.is_dead() && held_handles_.count(m.header.handle) && hold(m)) return;
   HandlerPtr h;
   switch (handlers_.lookup_for_dispatch(m, h)) {
     case HandlerTable::Verdict::kNotFound:
-      if (hold_unknown_ && !m.is_dead() && held_unknown_.size() < kMaxHeldMessages) {
-        held_unknown_.push_back(std::move(m));
-        return;
-      }
+      if (hold_unknown_ && !m.is_dead() && hold(m)) return;
       if (m.is_dead())
         log().debug("dead message for unknown handle {} from context {}: {}", m.header.handle,
                     m.header.src_id, m.text());

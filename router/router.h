@@ -95,10 +95,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::uint32_t allocate_id();
   RouterStats stats();
   // While held, a message for a handle nobody registered yet waits (up to
-  // kMaxHeldMessages) instead of getting "invalid handle": a starting child
-  // holds until its main has registered its handlers. Releasing dispatches
-  // what waited, in order.
-  static constexpr std::size_t kMaxHeldMessages = 10000;
+  // high_water_mark bytes in all) instead of getting "invalid handle": a
+  // starting child holds until its main has registered its handlers.
+  // Releasing dispatches what waited, in order, before it returns.
   void hold_unknown_handles(bool hold);
 
   // --- streams ---
@@ -169,6 +168,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   void announce(std::uint32_t handle, const std::string& payload, Link* skip,
                 const std::unordered_set<Link*>& to);
   void maybe_drained();
+  void release_held();
+  bool hold(Message& m);
   void register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint32_t remote_id,
                      const std::string& name);
   std::shared_ptr<OutputGauge> gauge_for(std::uint32_t dst);
@@ -195,6 +196,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   Clock::time_point armed_for_ = Clock::time_point::max();
   bool hold_unknown_ = false;
   std::vector<Message> held_unknown_;
+  std::size_t held_bytes_ = 0;
+  std::unordered_set<std::uint32_t> held_handles_;  // handles with messages held
   RouterStats stats_;
 
   // any thread
