@@ -373,7 +373,9 @@ void Stream::close(const std::string& reason) {
   held_.clear();
   for (OutFrame& f : txq_) {
     if (f.charged) gauge_->release(f.charged);
-    if (!f.has_header || f.sent > 0) continue;  // partly written frames are lost with the link
+    // A partly written frame never reached the peer whole (its parser drops a
+    // partial frame at EOF): it is as undelivered as the rest.
+    if (!f.has_header) continue;
     unsent.push_back(Message{decode_header(f.header.data()), std::move(f.payload)});
   }
   txq_.clear();
