@@ -44,6 +44,12 @@ struct Slice {
 class Payload {
  public:
   Payload() = default;
+  // noexcept moves, so containers of messages move them rather than copy them
+  // when they grow (boost's small_vector does not promise it by itself).
+  Payload(Payload&&) noexcept = default;
+  Payload& operator=(Payload&&) noexcept = default;
+  Payload(const Payload&) = default;
+  Payload& operator=(const Payload&) = default;
   static Payload copy_of(std::string_view bytes);
   static Payload copy_of(std::span<const std::uint8_t> bytes);
   // One slice over the first `size` bytes of `chunk`.
