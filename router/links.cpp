@@ -108,6 +108,7 @@ void Router::on_stream_open(Stream& s) {
       parent_gauge_ = s.gauge_ptr();
       gauges_[p.remote_id] = parent_gauge_;
     }
+    parent_up_.store(true, std::memory_order_release);
     set_log_context(p.local_id, opts_.name);
     log().info("stream={} attached to parent ctx={} pid={}", s.name(), p.remote_id, p.pid);
     // Announce the children that connected before the parent link opened.
@@ -250,6 +251,7 @@ void Router::on_stream_closed(Stream& s, const std::string& why, std::vector<Mes
   for (std::uint32_t id : gone) remove_route(id, why);
   std::string detail = fmt::format("{}: {} ({})", reason::kPeerDisconnected, link->name, why);
   if (was_parent) {
+    parent_up_.store(false, std::memory_order_release);  // logs go to stderr from here on
     parent_ = nullptr;
     {
       std::lock_guard lk(gauges_mu_);

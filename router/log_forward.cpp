@@ -58,7 +58,7 @@ void ForwardLogSink::write_stderr(const spdlog::details::log_msg& msg, const std
 
 void ForwardLogSink::log(const spdlog::details::log_msg& msg) {
   auto parent = router_.parent_id();
-  if (t_in_forward || !parent) return write_stderr(msg, {});
+  if (t_in_forward || !parent || !router_.parent_connected()) return write_stderr(msg, {});
   std::string body(msg.logger_name.data(), msg.logger_name.size());
   body.push_back('\0');
   body += std::to_string(python_levelno(msg.level));

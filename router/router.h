@@ -68,6 +68,8 @@ class Router : public StreamListener, public ShutdownParticipant {
 
   std::uint32_t id() const { return id_.load(std::memory_order_acquire); }
   std::optional<std::uint32_t> parent_id() const;
+  // Whether the link to the parent is up (false before attach and after loss).
+  bool parent_connected() const { return parent_up_.load(std::memory_order_acquire); }
   Broker& broker() { return broker_; }
   const RouterOptions& options() const { return opts_; }
 
@@ -179,6 +181,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   RouterOptions opts_;
   std::atomic<std::uint32_t> id_{0};
   std::atomic<std::uint32_t> next_id_{1};  // root only
+  std::atomic<bool> parent_up_{false};
   HandlerTable handlers_;
 
   // broker thread only
