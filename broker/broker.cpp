@@ -102,7 +102,7 @@ void Broker::drain_deferred() {
 }
 
 Broker::Stats Broker::stats() const {
-  std::lock_guard lk(const_cast<std::mutex&>(defer_mu_));
+  std::lock_guard lk(defer_mu_);
   return stats_;
 }
 

@@ -121,7 +121,7 @@ class Broker {
   std::atomic<std::thread::id> thread_id_{};
   std::thread thread_;
 
-  std::mutex defer_mu_;
+  mutable std::mutex defer_mu_;
   std::vector<std::function<void()>> deferred_;  // guarded by defer_mu_
   bool wake_posted_ = false;                     // guarded by defer_mu_
   bool closed_ = false;                          // guarded by defer_mu_: no more defers

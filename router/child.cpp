@@ -97,7 +97,13 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
   int watch_fd = ::fcntl(pidfd, F_DUPFD_CLOEXEC, 3);
   if (watch_fd < 0) log().warn("dup(pidfd) for ctx={}: {}; exit is reaped by wait_exit() only", id, errno_text(errno));
   parent.broker().defer([&parent, read_fd, write_fd, id, name, proc, watch_fd] {
-    parent.add_child_stream(read_fd, write_fd, id, name);
+    try {
+      parent.add_child_stream(read_fd, write_fd, id, name);
+    } catch (const std::exception& e) {
+      // The child sees its link close (or its handshake time out) and exits;
+      // it is still reaped below.
+      log().error("cannot adopt child ctx={} ({}) pid={}: {}", id, name, proc->pid(), e.what());
+    }
     if (watch_fd < 0) return;
     auto watch = std::make_shared<asio::posix::stream_descriptor>(parent.broker().io(), watch_fd);
     watch->async_wait(asio::posix::descriptor_base::wait_read,

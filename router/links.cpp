@@ -28,9 +28,16 @@ void Router::attach_parent(int read_fd, int write_fd) {
     so.max_message_size = opts_.max_message_size;
     so.high_water_mark = opts_.high_water_mark;
     so.handshake_timeout = opts_.handshake_timeout;
-    auto s = Stream::create(broker_, read_fd, write_fd, so,
-                            std::make_unique<ClientHandshake>(static_cast<std::uint32_t>(::getpid())),
-                            this);
+    std::shared_ptr<Stream> s;
+    try {
+      s = Stream::create(broker_, read_fd, write_fd, so,
+                         std::make_unique<ClientHandshake>(static_cast<std::uint32_t>(::getpid())),
+                         this);
+    } catch (const std::exception& e) {  // an unusable fd: say so, don't hang the caller
+      parent_ready_set_ = true;
+      parent_ready_.set_value(e.what());
+      return;
+    }
     register_link(s, StreamRole::kParent, 0, "parent");
     s->start();
   });

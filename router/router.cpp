@@ -60,7 +60,7 @@ Router::~Router() {
 }
 
 std::optional<std::uint32_t> Router::parent_id() const {
-  std::lock_guard lk(const_cast<std::mutex&>(gauges_mu_));
+  std::lock_guard lk(gauges_mu_);
   return parent_id_;
 }
 

@@ -204,7 +204,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   RouterStats stats_;
 
   // any thread
-  std::mutex gauges_mu_;
+  mutable std::mutex gauges_mu_;
   std::unordered_map<std::uint32_t, std::shared_ptr<OutputGauge>> gauges_;
   std::shared_ptr<OutputGauge> parent_gauge_;
   std::optional<std::uint32_t> parent_id_;  // guarded by gauges_mu_

@@ -159,7 +159,7 @@ void Stream::arm_write() {
                         if (ec == asio::error::operation_aborted ||
                             self->state_ == StreamState::kClosed)
                           return;
-                        if (ec) return self->close("wait for output failed: " + ec.message());
+                        if (ec) return self->close(failure("wait for output", ec.value()));
                         self->flush();
                       });
 }
