@@ -4,6 +4,10 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -38,5 +42,33 @@ inline void expect_exit_code(const Context& c, int code) {
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == code)
       << c.name() << ": " << describe_wait_status(*st) << ", expected exit status " << code;
 }
+
+// Handlers run on the broker thread and must not block. A test handler that
+// needs a blocking call hands it to a thread of its own here; join_all()
+// (also run by the destructor) waits for every one, including any started
+// while it waits.
+class OffBrokerThreads {
+ public:
+  ~OffBrokerThreads() { join_all(); }
+  void run(std::function<void()> fn) {
+    std::lock_guard lk(mu_);
+    threads_.emplace_back(std::move(fn));
+  }
+  void join_all() {
+    for (;;) {
+      std::vector<std::thread> ws;
+      {
+        std::lock_guard lk(mu_);
+        ws.swap(threads_);
+      }
+      if (ws.empty()) return;
+      for (auto& t : ws) t.join();
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::thread> threads_;
+};
 
 }  // namespace spindle::testutil

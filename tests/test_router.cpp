@@ -111,11 +111,9 @@ TEST(RouterRules, RequestToUnknownContextFromChildIsNoRoute) {
   Router router(broker, root_opts());
   Context c = fork_child(router, [](ChildEnv& env) {
     Router& r = env.router();
-    std::mutex mu;
-    std::vector<std::thread> workers;
+    OffBrokerThreads workers;
     r.add_handler([&](Message&& m) {
-      std::lock_guard lk(mu);
-      workers.emplace_back([&r, m = std::move(m)] {
+      workers.run([&r, m = std::move(m)] {
         std::string out;
         try {
           r.request(Message::make(9999, kEcho, Payload::copy_of("x")), 3s).get();
@@ -130,15 +128,7 @@ TEST(RouterRules, RequestToUnknownContextFromChildIsNoRoute) {
       });
     }, {}, kAskSibling);
     env.serve();
-    for (;;) {
-      std::vector<std::thread> ws;
-      {
-        std::lock_guard lk(mu);
-        ws.swap(workers);
-      }
-      if (ws.empty()) break;
-      for (auto& t : ws) t.join();
-    }
+    workers.join_all();
     return 0;
   }, named("asker"));
   std::string out = c.call(kAskSibling, std::string_view{}, 15s);
@@ -203,11 +193,9 @@ TEST(RouterRules, SendAboveMaxMessageSizeThrowsTooLarge) {
 // with "ok:<reply>" or "error:<type>|<what>".
 int asking_child(ChildEnv& env) {
   Router& r = env.router();
-  std::mutex mu;
-  std::vector<std::thread> workers;
+  OffBrokerThreads workers;
   r.add_handler([&](Message&& m) {
-    std::lock_guard lk(mu);
-    workers.emplace_back([&r, m = std::move(m)] {
+    workers.run([&r, m = std::move(m)] {
       std::string out;
       try {
         auto sibling = static_cast<std::uint32_t>(std::stoul(m.text()));
@@ -223,15 +211,7 @@ int asking_child(ChildEnv& env) {
     });
   }, {}, kAskSibling);
   env.serve();
-  for (;;) {
-    std::vector<std::thread> ws;
-    {
-      std::lock_guard lk(mu);
-      ws.swap(workers);
-    }
-    if (ws.empty()) break;
-    for (auto& t : ws) t.join();
-  }
+  workers.join_all();
   return 0;
 }
 
