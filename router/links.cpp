@@ -196,7 +196,7 @@ bool Router::handle_control(Link& in, Message& m) {
   auto it = routes_.find(*target);
   if (in.role == StreamRole::kChild) {
     if (it == routes_.end() || it->second != &in) return true;  // not theirs to delete
-    remove_route(*target, "route deleted by " + in.stream->name());
+    remove_route(*target);
   } else if (it != routes_.end()) {
     return true;  // the parent cannot delete a route that runs through a child
   }
@@ -207,7 +207,7 @@ bool Router::handle_control(Link& in, Message& m) {
   return true;
 }
 
-void Router::remove_route(std::uint32_t id, const std::string&) {
+void Router::remove_route(std::uint32_t id) {
   auto it = routes_.find(id);
   if (it == routes_.end()) return;
   it->second->behind.erase(id);
@@ -255,7 +255,7 @@ void Router::on_stream_closed(Stream& s, const std::string& why, std::vector<Mes
   dirty_.erase(&s);
   const bool was_parent = link.get() == parent_;
   std::vector<std::uint32_t> gone(link->behind.begin(), link->behind.end());
-  for (std::uint32_t id : gone) remove_route(id, why);
+  for (std::uint32_t id : gone) remove_route(id);
   std::string detail = fmt::format("{}: {} ({})", reason::kPeerDisconnected, link->name, why);
   if (was_parent) {
     parent_up_.store(false, std::memory_order_release);  // logs go to stderr from here on

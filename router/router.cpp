@@ -185,23 +185,20 @@ void Router::release_held() {
   held.swap(held_unknown_);
   held_bytes_ = 0;
   held_handles_.clear();
-  for (Message& m : held) dispatch_local(std::move(m), nullptr);
+  for (Message& m : held) dispatch_local(std::move(m));
   maybe_drained();  // a router still holding was not drained
 }
 
 void Router::hold_unknown_handles(bool hold) {
-  auto apply = [this, hold] {
-    if (hold) hold_unknown_ = true;
-    else release_held();
-  };
-  if (broker_.on_broker_thread()) return apply();
-  // Synchronous, so that after ready() every held message has been handled.
+  // Synchronous (inline on the broker thread), so that after ready() every
+  // held message has been handled.
   // After the broker stopped there is nothing to wait for: shutdown already
   // answered whatever was held.
   std::promise<void> done;
   auto f = done.get_future();
   if (broker_.try_defer([&] {
-        apply();
+        if (hold) hold_unknown_ = true;
+        else release_held();
         done.set_value();
       }))
     f.wait();
@@ -237,7 +234,7 @@ void Router::on_stream_message(Stream& s, Message&& m) {
   // Output is corked until the stream's read batch ends (on_stream_batch_end).
   ++batch_depth_;
   if (m.header.dst_id == id()) {
-    if (!handle_control(*in, m)) dispatch_local(std::move(m), in);
+    if (!handle_control(*in, m)) dispatch_local(std::move(m));
   } else {
     forward(*in, std::move(m));
   }
@@ -273,7 +270,7 @@ void Router::route_local_origin(Outgoing&& o) {
   const std::size_t charge = kHeaderSize + m.data.size();
   if (m.header.dst_id == id()) {
     if (o.gauge) o.gauge->release(charge);
-    return dispatch_local(std::move(m), nullptr);
+    return dispatch_local(std::move(m));
   }
   Link* out = route_for(m.header.dst_id);
   if (!out) {
@@ -329,7 +326,7 @@ bool Router::enqueue_on(Link& out, Message&& m, std::size_t charged) {
 void Router::send_internal(Message&& m) {
   m.header.src_id = m.header.auth_id = id();
   m.header.length = static_cast<std::uint32_t>(m.data.size());
-  if (m.header.dst_id == id()) return dispatch_local(std::move(m), nullptr);
+  if (m.header.dst_id == id()) return dispatch_local(std::move(m));
   Link* out = route_for(m.header.dst_id);
   if (!out) {
     ++stats_.dropped_logged;
@@ -359,7 +356,7 @@ void Router::send_dead(const Message& about, std::string why) {
   send_internal(Message::dead_reply(about, why));
 }
 
-void Router::dispatch_local(Message&& m, Link*) {
+void Router::dispatch_local(Message&& m) {
   ++stats_.delivered_locally;
   // Keep each handle's order: once a handle has messages held, later ones for
   // it queue behind them even if its handler has been registered since.

@@ -155,7 +155,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void route_local_origin(Outgoing&& out);
   void forward(Link& in, Message&& m);
   void deliver(Message&& m, Link* in);
-  void dispatch_local(Message&& m, Link* in);
+  void dispatch_local(Message&& m);
   bool handle_control(Link& in, Message& m);
   void send_dead(const Message& about, std::string reason);
   void send_internal(Message&& m);  // charge-free, broker thread: control and dead
@@ -163,7 +163,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   Link* route_for(std::uint32_t dst);
   Link* link_of(const Stream& s);
   void add_route(std::uint32_t id, Link& via);
-  void remove_route(std::uint32_t id, const std::string& reason);
+  void remove_route(std::uint32_t id);
   // Fails what waited on `id`, fires its watchers and sends DEL_ROUTE to the
   // parent and to every link that talked to it, except `told_by`.
   void context_gone(std::uint32_t id, const std::string& reason, Link* told_by = nullptr);

@@ -31,25 +31,31 @@ void FrameParser::feed(std::span<const std::uint8_t> bytes) {
     std::memcpy(dst.data(), bytes.data(), n);
     commit(n);
     bytes = bytes.subspan(n);
-    // Switch to the direct body as soon as its header is in, as a stream does.
-    // next() reports the bytes this consumed, keeping its accounting whole.
-    if (!in_body_) unreported_consumed_ += start_direct_body();
+    // Switch to the direct body as soon as its header is in, as a stream does
+    // between reads; next() reports the bytes this consumed.
+    if (in_body_ || rx_.readable() < kHeaderSize) continue;
+    Header h = peek_header();
+    if (is_known_enc(h.enc) && h.length <= max_message_size_ && wants_direct_body(h))
+      unreported_consumed_ += begin_direct_body(h);
   }
 }
 
-// If rx_ starts with a valid header of a large body that is not yet complete,
-// consumes the header and the body bytes buffered so far into one buffer of
-// the body's exact size; later reads land there directly. Returns the bytes
-// consumed (0 if it did not switch).
-std::size_t FrameParser::start_direct_body() {
-  if (rx_.readable() < kHeaderSize) return 0;
+Header FrameParser::peek_header() const {
   std::uint8_t raw[kHeaderSize];
   rx_.peek(raw, kHeaderSize);
-  Header h = decode_header(raw);
+  return decode_header(raw);
+}
+
+// A large body not yet complete gets a buffer of its own.
+bool FrameParser::wants_direct_body(const Header& h) const {
+  return h.length >= kDirectBodyThreshold && rx_.readable() - kHeaderSize < h.length;
+}
+
+// Consumes the (validated) header and the body bytes buffered so far into one
+// buffer of the body's exact size; later reads land there directly. Returns
+// the bytes consumed.
+std::size_t FrameParser::begin_direct_body(const Header& h) {
   std::size_t body_buffered = rx_.readable() - kHeaderSize;
-  if (!is_known_enc(h.enc) || h.length > max_message_size_ || h.length < kDirectBodyThreshold ||
-      body_buffered >= h.length)
-    return 0;
   rx_.drop(kHeaderSize);
   body_ = std::make_shared<Chunk>(h.length);
   body_filled_ = body_buffered;
@@ -82,9 +88,7 @@ ParseResult FrameParser::next_frame(Message& out) {
   }
   if (rx_.readable() < kHeaderSize) return r;
 
-  std::uint8_t raw[kHeaderSize];
-  rx_.peek(raw, kHeaderSize);
-  Header h = decode_header(raw);
+  Header h = peek_header();
   r.header = h;
   if (!is_known_enc(h.enc)) {
     r.status = ParseStatus::kInvalid;
@@ -109,7 +113,7 @@ ParseResult FrameParser::next_frame(Message& out) {
     return r;
   }
   // Large body: one buffer of its exact size, read into directly. kNeedMore.
-  r.consumed = start_direct_body();
+  if (wants_direct_body(h)) r.consumed = begin_direct_body(h);
   return r;
 }
 

@@ -55,7 +55,9 @@ class FrameParser {
 
  private:
   bool body_wants_bytes() const;
-  std::size_t start_direct_body();
+  Header peek_header() const;  // needs rx_.readable() >= kHeaderSize
+  bool wants_direct_body(const Header& h) const;
+  std::size_t begin_direct_body(const Header& h);
   ParseResult next_frame(Message& out);
 
   RxBuffer& rx_;
