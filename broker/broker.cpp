@@ -156,9 +156,15 @@ void Broker::cancel_timer(TimerId id) {
 void Broker::shutdown() { shutdown(opts_.shutdown_grace); }
 
 void Broker::shutdown(std::chrono::milliseconds grace) {
+  bool again;
   {
     std::lock_guard lk(request_mu_);
-    if (shutdown_requested_.exchange(true)) return;
+    again = shutdown_requested_.exchange(true);
+  }
+  if (again) {
+    // A later request may only shorten the grace period (a second Ctrl-C).
+    try_defer([this, grace] { shorten_grace(grace); });
+    return;
   }
   request_cv_.notify_all();
   try_defer([this, grace] { begin_shutdown(grace); });
@@ -179,6 +185,14 @@ void Broker::begin_shutdown(std::chrono::milliseconds grace) {
   log().debug("broker: shutdown begins, {} participant(s), grace {} ms", participants_.size(),
               grace.count());
   deadline_ = std::make_unique<asio::steady_timer>(io_, grace);
+  wait_for_grace_deadline();
+  // Copy: a participant may unregister itself while being told.
+  auto all = participants_;
+  for (auto* p : all) p->on_shutdown_begin();
+  maybe_finish();
+}
+
+void Broker::wait_for_grace_deadline() {
   deadline_->async_wait([this](const std::error_code& ec) {
     if (ec == asio::error::operation_aborted) return;
     log().warn("broker: shutdown grace period over; force-closing {} participant(s)",
@@ -190,10 +204,14 @@ void Broker::begin_shutdown(std::chrono::milliseconds grace) {
     finishing_ = true;
     io_.stop();
   });
-  // Copy: a participant may unregister itself while being told.
-  auto all = participants_;
-  for (auto* p : all) p->on_shutdown_begin();
-  maybe_finish();
+}
+
+void Broker::shorten_grace(std::chrono::milliseconds grace) {
+  if (state() != State::kDraining || !deadline_ || finishing_) return;
+  auto when = Clock::now() + grace;
+  if (when >= deadline_->expiry()) return;
+  deadline_->expires_at(when);  // aborts the pending wait, which then returns
+  wait_for_grace_deadline();
 }
 
 void Broker::add_participant(ShutdownParticipant* p) { participants_.insert(p); }

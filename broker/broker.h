@@ -85,7 +85,8 @@ class Broker {
   TimerId call_later(std::chrono::nanoseconds delay, std::function<void()> fn);
   void cancel_timer(TimerId id);
 
-  // Begins graceful shutdown. `grace` overrides Options::shutdown_grace.
+  // Begins graceful shutdown. `grace` overrides Options::shutdown_grace. A
+  // later call can only shorten the grace period still left.
   void shutdown();
   void shutdown(std::chrono::milliseconds grace);
   // Waits for the broker thread to finish. Must not be called on it.
@@ -111,6 +112,8 @@ class Broker {
   void drain_deferred();
   void create_timer(TimerId id, std::chrono::nanoseconds delay, std::function<void()> fn);
   void begin_shutdown(std::chrono::milliseconds grace);
+  void wait_for_grace_deadline();
+  void shorten_grace(std::chrono::milliseconds grace);
   void maybe_finish();
   void finish();
 

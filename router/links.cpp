@@ -68,8 +68,8 @@ std::shared_ptr<Stream> Router::add_child_stream(int read_fd, int write_fd, std:
   return s;
 }
 
-void Router::register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint32_t remote_id,
-                           const std::string& name) {
+Router::Link& Router::register_link(std::shared_ptr<Stream> s, StreamRole role,
+                                    std::uint32_t remote_id, const std::string& name) {
   auto link = std::make_unique<Link>();
   link->stream = s;
   link->role = role;
@@ -79,9 +79,10 @@ void Router::register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint
   links_.emplace(s.get(), std::move(link));
   if (role == StreamRole::kParent) {
     parent_ = &l;
-  } else {
+  } else if (remote_id != 0) {  // a client's id is known only after its handshake
     add_route(remote_id, l);
   }
+  return l;
 }
 
 Router::Link* Router::link_of(const Stream& s) {
@@ -127,6 +128,8 @@ void Router::on_stream_open(Stream& s) {
       parent_ready_set_ = true;
       parent_ready_.set_value({});
     }
+  } else if (l->client) {
+    client_opened(*l);
   } else {
     log().info("stream={} child ctx={} pid={} connected", s.name(), l->remote_id, p.pid);
   }
@@ -269,6 +272,14 @@ void Router::on_stream_closed(Stream& s, const std::string& why, std::vector<Mes
       parent_ready_.set_value(why.empty() ? "closed" : why);
     }
     log().info("stream={} lost the parent: {}", s.name(), why);
+  } else if (link->client) {
+    --clients_;
+    if (link->remote_id == 0)
+      log().info("stream={} client pid={} uid={} dropped before its handshake completed: {}",
+                 s.name(), link->client->pid, link->client->uid, why);
+    else
+      log().info("stream={} client ctx={} pid={} disconnected: {}", s.name(), link->remote_id,
+                 link->client->pid, why);
   } else {
     log().info("stream={} child ctx={} disconnected: {}", s.name(), link->remote_id, why);
   }

@@ -17,5 +17,6 @@ inline constexpr std::string_view kShuttingDown = "shutting down";
 inline constexpr std::string_view kReversePath = "reverse-path check failed";
 inline constexpr std::string_view kUnidirectional = "refused: unidirectional routing forbids reaching a sibling";
 inline constexpr std::string_view kQueueFull = "output queue full";
+inline constexpr std::string_view kUndecodable = "the receiver cannot decode this encoding";
 
 }  // namespace spindle::reason

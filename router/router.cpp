@@ -230,6 +230,7 @@ void Router::on_stream_message(Stream& s, Message&& m) {
       return;
     }
   }
+  if (in->client && in->client->trusted) m.header.auth_id = id();
   in->egress.insert(m.header.dst_id);
   // Output is corked until the stream's read batch ends (on_stream_batch_end).
   ++batch_depth_;
@@ -308,6 +309,11 @@ void Router::forward(Link& in, Message&& m) {
 
 bool Router::enqueue_on(Link& out, Message&& m, std::size_t charged) {
   Stream& s = *out.stream;
+  if (out.dialect == Dialect::kMitogen && !mitogen_can_decode(m.header.enc)) {
+    if (charged) s.gauge().release(charged);
+    refuse_undecodable(out, std::move(m));
+    return false;
+  }
   if (!s.accepts_output()) {
     if (charged) s.gauge().release(charged);
     send_dead(m, s.state() == StreamState::kClosed

@@ -51,6 +51,26 @@ struct RouterOptions {
 
 enum class StreamRole { kParent, kChild };
 
+// A client of a listening router (spindle-router): a child-like link whose
+// context id is assigned during its handshake.
+struct ClientLinkOptions {
+  // Same-uid clients are trusted with the router's authority, as in Mitogen's
+  // listener: their messages carry the router's auth_id from here on.
+  bool trusted = true;
+  std::uint32_t pid = 0;  // from SO_PEERCRED, for logs and stats
+  std::uint32_t uid = 0;
+};
+
+// One client as the stats service reports it.
+struct ClientStats {
+  std::uint32_t id = 0;  // 0 while the handshake runs
+  std::string name;
+  Dialect dialect = Dialect::kSpindle;
+  std::uint32_t pid = 0, uid = 0;
+  std::uint64_t messages_in = 0, messages_out = 0, bytes_in = 0, bytes_out = 0;
+  std::size_t queued_bytes = 0;
+};
+
 struct RouterStats {
   std::uint64_t routed = 0, delivered_locally = 0, dead_replies = 0, dropped_logged = 0;
   std::size_t streams = 0, routes = 0, handlers = 0;
@@ -110,6 +130,16 @@ class Router : public StreamListener, public ShutdownParticipant {
   // Once shutdown has begun it closes the fds instead and returns nullptr.
   std::shared_ptr<Stream> add_child_stream(int read_fd, int write_fd, std::uint32_t child_id,
                                            const std::string& name);
+  // Broker thread: adopts an accepted client socket. `handshake` assigns its
+  // id (a ListenerHandshake); the route is added when the handshake completes.
+  // Once shutdown has begun it closes the fd instead and returns nullptr.
+  std::shared_ptr<Stream> add_client_stream(int fd, const std::string& name,
+                                            std::unique_ptr<Handshake> handshake,
+                                            ClientLinkOptions opts);
+  // Broker thread: client links, including those still handshaking.
+  std::size_t client_count() const { return clients_; }
+  // Any thread except the broker's after it stopped: a snapshot of the clients.
+  std::vector<ClientStats> client_stats();
 
   // StreamListener (broker thread)
   void on_stream_open(Stream& s) override;
@@ -129,6 +159,8 @@ class Router : public StreamListener, public ShutdownParticipant {
     std::string name;
     std::unordered_set<std::uint32_t> behind;   // contexts routed through this link
     std::unordered_set<std::uint32_t> egress;   // contexts this link sent to
+    std::optional<ClientLinkOptions> client;    // set for a listener's clients
+    Dialect dialect = Dialect::kSpindle;        // known once the handshake is done
   };
   // A pending call's deadline; expire() fails it with TimeoutError.
   struct CallDeadline {
@@ -160,6 +192,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   void send_dead(const Message& about, std::string reason);
   void send_internal(Message&& m);  // charge-free, broker thread: control and dead
   bool enqueue_on(Link& out, Message&& m, std::size_t charged);
+  // A Mitogen peer cannot decode a Spindle encoding: says why instead.
+  void refuse_undecodable(Link& out, Message&& m);
   Link* route_for(std::uint32_t dst);
   Link* link_of(const Stream& s);
   void add_route(std::uint32_t id, Link& via);
@@ -172,8 +206,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   void maybe_drained();
   void release_held();
   bool hold(Message& m);
-  void register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint32_t remote_id,
-                     const std::string& name);
+  Link& register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint32_t remote_id,
+                      const std::string& name);
+  void client_opened(Link& l);
   std::shared_ptr<OutputGauge> gauge_for(std::uint32_t dst);
   void fail_handlers(std::vector<HandlerPtr> hs, const std::string& reason);
 
@@ -186,6 +221,7 @@ class Router : public StreamListener, public ShutdownParticipant {
 
   // broker thread only
   std::unordered_map<Stream*, std::unique_ptr<Link>> links_;
+  std::size_t clients_ = 0;
   std::unordered_map<std::uint32_t, Link*> routes_;
   Link* parent_ = nullptr;
   std::unordered_set<Stream*> dirty_;

@@ -13,6 +13,7 @@ PACKAGES=(
   libgtest-dev
   googletest
   python3
+  python3-mitogen   # the interop test runs stock Mitogen 0.3 against spindle-router
 )
 
 missing=()

@@ -38,8 +38,13 @@ enum HandshakeFlag : std::uint16_t {
   kFlagNone = 0,
 };
 
+// Which protocol the peer speaks. A Mitogen peer exchanges 26-byte frames
+// too, but only understands enc "MI" and cannot take file descriptors.
+enum class Dialect : std::uint8_t { kSpindle, kMitogen };
+
 // What each side learns about the other.
 struct PeerInfo {
+  Dialect dialect = Dialect::kSpindle;
   std::uint16_t version = 0;
   std::uint16_t flags = 0;
   std::uint32_t pid = 0;               // the peer's pid

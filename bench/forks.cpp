@@ -1,0 +1,144 @@
+// bench_forks: the forks-scaling scenario (tests/forks_scaling.h) at growing
+// N, against the real spindle-router, in burst mode (all workers released
+// together) and one-at-a-time mode. Per N it prints the wall time, the time
+// per worker, the slowest worker's latency, failures, and a raw fork()+_exit()
+// floor measured in the same run; it draws the scaling as an SVG.
+//
+// Usage: bench_forks [--quick] [--max N] [--svg PATH]
+// Target (issue 3): <= 0.3 ms per worker at N = 1024 in burst mode, 0 failures.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "tests/forks_scaling.h"
+
+namespace {
+
+using namespace spindle;
+
+struct Row {
+  int n;
+  bool burst;
+  scaling::Result r;
+};
+
+std::string router_binary() {
+  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "spindle-router").string();
+}
+
+// ms per worker against N, one line per mode, plus the fork+exit floor.
+void write_svg(const std::string& path, const std::vector<Row>& rows) {
+  const double W = 720, H = 420, L = 70, R = 20, T = 40, B = 60;
+  double max_n = 1, max_y = 0.01;
+  for (auto& row : rows) {
+    max_n = std::max(max_n, static_cast<double>(row.n));
+    max_y = std::max({max_y, row.r.wall_ms / row.n, row.r.raw_fork_exit_ms / row.n});
+  }
+  auto x = [&](double n) { return L + (W - L - R) * std::log2(n) / std::max(1.0, std::log2(max_n)); };
+  auto y = [&](double v) { return H - B - (H - T - B) * v / (max_y * 1.1); };
+  std::string svg = fmt::format(
+      "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' "
+      "font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n"
+      "<text x='{}' y='20' font-size='14'>spindle-router forks scaling: ms per worker "
+      "(wall time / N)</text>\n<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n"
+      "<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n",
+      W, H, L, L, H - B, W - R, H - B, L, T, L, H - B);
+  for (int i = 0; i <= 4; ++i) {
+    double v = max_y * 1.1 * i / 4;
+    svg += fmt::format("<text x='{}' y='{}' text-anchor='end'>{:.3f}</text>\n", L - 6, y(v) + 4, v);
+  }
+  for (auto& row : rows)
+    if (row.burst)
+      svg += fmt::format("<text x='{}' y='{}' text-anchor='middle'>{}</text>\n", x(row.n), H - B + 16, row.n);
+  svg += fmt::format("<text x='{}' y='{}' text-anchor='middle'>workers (N, log scale)</text>\n",
+                     (L + W - R) / 2, H - 20);
+  struct Series {
+    const char* name;
+    const char* colour;
+    bool burst;
+    bool floor;
+  };
+  const Series series[] = {{"burst", "#d62728", true, false},
+                           {"one at a time", "#1f77b4", false, false},
+                           {"raw fork()+_exit()", "#7f7f7f", true, true}};
+  int legend = 0;
+  for (const Series& s : series) {
+    std::string pts;
+    for (auto& row : rows)
+      if (row.burst == s.burst)
+        pts += fmt::format("{:.1f},{:.1f} ", x(row.n),
+                           y((s.floor ? row.r.raw_fork_exit_ms : row.r.wall_ms) / row.n));
+    if (pts.empty()) continue;
+    svg += fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", s.colour, pts);
+    svg += fmt::format("<text x='{}' y='{}' fill='{}'>{}</text>\n", W - 170, T + 16 * ++legend, s.colour, s.name);
+  }
+  svg += "</svg>\n";
+  if (FILE* f = std::fopen(path.c_str(), "w")) {
+    std::fputs(svg.c_str(), f);
+    std::fclose(f);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  int max_n = 1024;
+  std::string svg = "bench_forks.svg";
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--quick") quick = true;
+    else if (a == "--max" && i + 1 < argc) max_n = std::atoi(argv[++i]);
+    else if (a == "--svg" && i + 1 < argc) svg = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--quick] [--max N] [--svg PATH]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (quick) max_n = std::min(max_n, 32);
+  log().set_level(spdlog::level::warn);
+  testutil::TempDir dir;
+  std::string sock = dir.path() + "/router.sock";
+  testutil::RouterProcess router(router_binary(), sock, {"--log-level", "warn"});
+  if (!router.wait_ready()) {
+    std::fprintf(stderr, "spindle-router did not start:\n%s\n", router.log().c_str());
+    return 1;
+  }
+  std::printf("\nspindle bench_forks%s: N workers fork, connect, %d ping calls, one sibling call each\n",
+              quick ? " --quick" : "", scaling::Options{}.calls);
+  std::printf("%-14s %6s %10s %12s %12s %9s %14s %14s\n", "mode", "N", "wall ms", "ms/worker",
+              "slowest ms", "failures", "fork+exit ms", "floor ms/wkr");
+  std::vector<Row> rows;
+  int total_failures = 0;
+  for (bool burst : {true, false}) {
+    for (int n = 1; n <= max_n; n *= (n < 16 ? 4 : 2)) {
+      scaling::Options o;
+      o.socket = sock;
+      o.workers = n;
+      o.burst = burst;
+      scaling::Result r = scaling::run(o);
+      total_failures += r.failures;
+      std::printf("%-14s %6d %10.1f %12.3f %12.1f %9d %14.1f %14.3f\n", burst ? "burst" : "one-at-a-time",
+                  n, r.wall_ms, r.wall_ms / n, r.slowest_ms, r.failures, r.raw_fork_exit_ms,
+                  r.raw_fork_exit_ms / n);
+      for (auto& e : r.errors) std::printf("    %s\n", e.c_str());
+      rows.push_back({n, burst, r});
+    }
+  }
+  for (auto& row : rows)
+    if (row.burst && row.n == max_n)
+      std::printf("\ntarget: <= 0.3 ms per worker at N = %d in burst mode, 0 failures: %.3f ms, %d "
+                  "failures -> %s\n",
+                  max_n, row.r.wall_ms / max_n, row.r.failures,
+                  row.r.wall_ms / max_n <= 0.3 && row.r.failures == 0 ? "MET" : "MISSED");
+  write_svg(svg, rows);
+  std::printf("scaling picture: %s\n", std::filesystem::absolute(svg).c_str());
+  router.stop(SIGTERM);
+  return total_failures == 0 ? 0 : 1;
+}

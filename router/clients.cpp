@@ -1,0 +1,99 @@
+// Clients: the links a listening router (spindle-router) adopts from its UNIX
+// socket. A client is a child-like link with three differences. Its context id
+// is assigned during its handshake, so its route appears only when the
+// handshake completes (until then nothing can be addressed to it). It may
+// speak the Mitogen dialect, which decodes enc "MI" only: a frame in one of
+// Spindle's encodings is never written to it; its sender gets a dead reply
+// that says why, or, for a reply that cannot have one, the Mitogen receiver
+// gets a dead message so it raises ChannelError instead of waiting forever.
+// And a trusted (same-uid) client acts with the router's authority: the
+// router stamps its own id as auth_id on the client's messages, as Mitogen's
+// listener does.
+#include <unistd.h>
+
+#include <future>
+
+#include <fmt/format.h>
+
+#include "broker/log.h"
+#include "router/reasons.h"
+#include "router/router.h"
+
+namespace spindle {
+
+std::shared_ptr<Stream> Router::add_client_stream(int fd, const std::string& name,
+                                                  std::unique_ptr<Handshake> handshake,
+                                                  ClientLinkOptions opts) {
+  if (shutting_down_ || broker_.state() != Broker::State::kRunning) {
+    log().warn("stream={} client pid={} refused: {}", name, opts.pid, reason::kShuttingDown);
+    ::close(fd);
+    return nullptr;
+  }
+  StreamOptions so;
+  so.name = name;
+  so.max_message_size = opts_.max_message_size;
+  so.high_water_mark = opts_.high_water_mark;
+  so.handshake_timeout = opts_.handshake_timeout;
+  auto s = Stream::create(broker_, fd, fd, so, std::move(handshake), this);
+  Link& l = register_link(s, StreamRole::kChild, 0, name);
+  l.client = opts;
+  ++clients_;
+  s->start();
+  return s;
+}
+
+void Router::client_opened(Link& l) {
+  Stream& s = *l.stream;
+  const PeerInfo& p = s.peer();
+  l.remote_id = p.remote_id;
+  l.dialect = p.dialect;
+  l.name = fmt::format("client-{}.pid{}", p.remote_id, l.client->pid);
+  s.set_name(l.name);
+  add_route(p.remote_id, l);
+  log().info("stream={} client ctx={} pid={} uid={} connected ({} dialect{})", s.name(),
+             p.remote_id, l.client->pid, l.client->uid,
+             p.dialect == Dialect::kMitogen ? "Mitogen" : "Spindle",
+             l.client->trusted ? ", acts with this router's authority" : "");
+}
+
+void Router::refuse_undecodable(Link& out, Message&& m) {
+  std::string why = fmt::format("{}: enc {} (0x{:04x}) to Mitogen context {}",
+                                reason::kUndecodable, enc_name(m.header.enc), m.header.enc,
+                                out.remote_id);
+  if (Message::wants_dead_reply(m) || m.is_dead()) return send_dead(m, why);
+  log().warn("stream={} {}; telling the receiver (handle {})", out.stream->name(), why,
+             m.header.handle);
+  Message d = Message::make(m.header.dst_id, m.header.handle, Payload::copy_of(why), kEncMitogen);
+  d.header.reply_to = kHandleIsDead;
+  send_internal(std::move(d));
+}
+
+std::vector<ClientStats> Router::client_stats() {
+  auto collect = [this] {
+    std::vector<ClientStats> out;
+    for (auto& [sp, l] : links_) {
+      if (!l->client) continue;
+      const StreamStats& st = l->stream->stats();
+      ClientStats c;
+      c.id = l->remote_id;
+      c.name = l->name;
+      c.dialect = l->dialect;
+      c.pid = l->client->pid;
+      c.uid = l->client->uid;
+      c.messages_in = st.messages_in;
+      c.messages_out = st.messages_out;
+      c.bytes_in = st.bytes_in;
+      c.bytes_out = st.bytes_out;
+      c.queued_bytes = l->stream->gauge().queued();
+      out.push_back(std::move(c));
+    }
+    return out;
+  };
+  if (broker_.on_broker_thread() || broker_.state() == Broker::State::kStopped) return collect();
+  std::promise<std::vector<ClientStats>> p;
+  auto f = p.get_future();
+  if (!broker_.try_defer([&] { p.set_value(collect()); })) return {};
+  return f.get();
+}
+
+}  // namespace spindle

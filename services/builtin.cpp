@@ -1,0 +1,45 @@
+// ping and stats are ordinary services: they go through the same envelope,
+// policy check and pool as any user's, so a ping measures exactly the path a
+// real service call takes. Stats are gathered on the broker thread (the
+// Router's and Listener's own snapshots) and formatted on the worker.
+#include "services/builtin.h"
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+namespace spindle::services {
+
+std::unique_ptr<Service> make_ping_service() {
+  auto s = std::make_unique<Service>(kPingService);
+  s->expose(kPingMethod, Access::any(), [](Request& r) { return r.args(); });
+  return s;
+}
+
+std::string format_stats(Router& router, Listener* listener) {
+  RouterStats rs = router.stats();
+  std::vector<ClientStats> clients = router.client_stats();
+  ListenerStats ls = listener ? listener->stats() : ListenerStats{};
+  std::string out = fmt::format(
+      "router id={} pid={} clients={} routed={} delivered={} dead_replies={} accepted={} "
+      "refused_uid={} refused_full={} refused_no_fds={}\n",
+      router.id(), ::getpid(), clients.size(), rs.routed, rs.delivered_locally, rs.dead_replies,
+      ls.accepted, ls.refused_uid, ls.refused_full, ls.refused_no_fds);
+  for (const ClientStats& c : clients)
+    out += fmt::format(
+        "client id={} name={} dialect={} pid={} uid={} messages_in={} messages_out={} "
+        "bytes_in={} bytes_out={} queued_bytes={}\n",
+        c.id, c.name, c.dialect == Dialect::kMitogen ? "mitogen" : "spindle", c.pid, c.uid,
+        c.messages_in, c.messages_out, c.bytes_in, c.bytes_out, c.queued_bytes);
+  return out;
+}
+
+std::unique_ptr<Service> make_stats_service(Router& router, Listener* listener) {
+  auto s = std::make_unique<Service>(kStatsService);
+  s->expose(kStatsMethod, Access::parents(), [&router, listener](Request&) {
+    return Payload::copy_of(format_stats(router, listener));
+  });
+  return s;
+}
+
+}  // namespace spindle::services

@@ -1,0 +1,37 @@
+// The services every spindle-router hosts.
+//
+//   ping.echo   (any caller)   returns its argument bytes unchanged: a
+//                              round trip through the router and its pool.
+//   stats.get   (parents: the router itself, or a same-uid client acting
+//                with its authority)  a snapshot, one record per line:
+//     router id=0 pid=P clients=N routed=R delivered=D dead_replies=X
+//            accepted=A refused_uid=U refused_full=F refused_no_fds=E
+//     client id=I name=S dialect=spindle|mitogen pid=P uid=U messages_in=..
+//            messages_out=.. bytes_in=.. bytes_out=.. queued_bytes=..
+//   Every value is a number or a token without spaces, so the format is
+//   both readable and trivially parsed (spindle-ctl, tests, shell scripts).
+//
+// Thread safety: the methods run on pool workers; make_*() on any thread.
+// Ownership: the returned services borrow the Router (and the Listener, if
+// given), which must outlive the ServiceHost that owns them.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "router/listener.h"
+#include "services/service.h"
+
+namespace spindle::services {
+
+inline constexpr const char* kPingService = "ping";
+inline constexpr const char* kPingMethod = "echo";
+inline constexpr const char* kStatsService = "stats";
+inline constexpr const char* kStatsMethod = "get";
+
+std::unique_ptr<Service> make_ping_service();
+std::unique_ptr<Service> make_stats_service(Router& router, Listener* listener);
+// The stats text for `router` (and its listener, if any), as stats.get returns it.
+std::string format_stats(Router& router, Listener* listener);
+
+}  // namespace spindle::services

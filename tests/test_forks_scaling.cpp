@@ -1,0 +1,81 @@
+// The forks-scaling test: the real spindle-router binary, N freshly forked
+// workers released together (tests/forks_scaling.h). Every worker must
+// succeed with correct replies, and afterwards the router's fd count and
+// client table must be back to their baseline.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <gtest/gtest.h>
+
+#include "tests/forks_scaling.h"
+
+namespace spindle {
+namespace {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+// The router's clients, as its stats service reports them.
+int router_clients(const std::string& socket) {
+  RouterOptions ro;
+  ro.name = "stats-probe";
+  auto c = connect(socket, ro);
+  std::string text = services::call_text(c->router_context(), services::kStatsService,
+                                         services::kStatsMethod, {}, 30s);
+  auto at = text.find(" clients=");
+  return at == std::string::npos ? -1 : std::atoi(text.c_str() + at + 9) - 1;  // minus the probe
+}
+
+// Polls until `pred` holds, for at most `timeout`.
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds timeout = 30s) {
+  auto until = std::chrono::steady_clock::now() + timeout;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
+void scale(int workers, int silent = 0) {
+  TempDir dir;
+  std::string sock = dir.path() + "/router.sock";
+  std::vector<std::string> extra{"--log-level", "warn"};
+  if (silent) extra.insert(extra.end(), {"--handshake-timeout", "3s", "--log-level", "info"});
+  RouterProcess router(SPINDLE_ROUTER_BINARY, sock, extra);
+  ASSERT_TRUE(router.wait_ready()) << router.log();
+  // wait_ready's probe connection must be gone before the baseline is taken.
+  ASSERT_TRUE(eventually([&] { return router_clients(sock) == 0; }));
+  const std::size_t fds_before = count_open_fds(router.pid());
+
+  scaling::Options o;
+  o.socket = sock;
+  o.workers = workers;
+  o.silent = silent;
+  scaling::Result r = scaling::run(o);
+
+  EXPECT_EQ(r.failures, 0) << fmt::format("{}", fmt::join(r.errors, "\n"));
+  EXPECT_TRUE(r.errors.empty()) << fmt::format("{}", fmt::join(r.errors, "\n"));
+  EXPECT_EQ(r.silent_dropped, silent);
+  EXPECT_TRUE(eventually([&] { return router_clients(sock) == 0; }))
+      << "clients left in the router's table: " << router_clients(sock);
+  EXPECT_TRUE(eventually([&] { return count_open_fds(router.pid()) == fds_before; }))
+      << "router fds: " << count_open_fds(router.pid()) << ", baseline " << fds_before;
+  if (silent) {
+    std::string log = router.log();
+    std::size_t timeouts = 0;
+    for (std::size_t at = 0; (at = log.find("dropped before its handshake completed: handshake timed out", at)) != std::string::npos; ++at)
+      ++timeouts;
+    EXPECT_EQ(timeouts, static_cast<std::size_t>(silent)) << log.substr(0, 4000);
+  }
+  int st = router.stop(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << describe_wait_status(st) << router.log();
+}
+
+TEST(ForksScaling, N1) { scale(1); }
+TEST(ForksScaling, N16) { scale(16); }
+TEST(ForksScaling, N128) { scale(128); }
+TEST(ForksScaling, N512) { scale(512); }
+TEST(ForksScaling, N128WithTenSilentClients) { scale(128, 10); }
+
+}  // namespace
+}  // namespace spindle

@@ -1,0 +1,315 @@
+// The listener in this process: both dialects on one socket, client-to-client
+// routing, disconnects, admission (uid, max-clients) and a client that says
+// nothing. Clients are real Connections (own broker and router each) and raw
+// sockets that speak bytes by hand.
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <future>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/reasons.h"
+#include "stream/byte_order.h"
+#include "stream/frame.h"
+#include "stream/listener_handshake.h"
+#include "tests/listener_test_util.h"
+
+namespace spindle {
+namespace {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+constexpr std::uint32_t kEcho = 2000;
+constexpr std::uint32_t kNeverReply = 2001;
+
+void serve_echo(Router& r) {
+  r.add_handler(
+      [&r](Message&& m) { r.reply(m, Payload::copy_of("echo:" + m.text())); }, {}, kEcho);
+}
+
+// A Mitogen client's handshake, by hand: returns its assigned id.
+std::uint32_t mitogen_hello(int fd, std::uint32_t pid, std::uint32_t* listener_id = nullptr,
+                            std::uint32_t* listener_pid = nullptr) {
+  std::uint8_t hello[4];
+  be::put32(hello, pid);
+  EXPECT_EQ(::write(fd, hello, 4), 4);
+  std::string reply = read_some(fd, kMitogenReplySize, 10s);
+  EXPECT_EQ(reply.size(), kMitogenReplySize);
+  if (reply.size() != kMitogenReplySize) return 0;
+  auto* p = reinterpret_cast<const std::uint8_t*>(reply.data());
+  if (listener_id) *listener_id = be::get32(p + 4);
+  if (listener_pid) *listener_pid = be::get32(p + 8);
+  return be::get32(p);
+}
+
+void write_frame(int fd, Header h, const std::string& body) {
+  h.length = static_cast<std::uint32_t>(body.size());
+  HeaderBytes hb = encode_header(h);
+  std::string out(reinterpret_cast<const char*>(hb.data()), hb.size());
+  out += body;
+  ASSERT_EQ(::write(fd, out.data(), out.size()), static_cast<ssize_t>(out.size()));
+}
+
+bool read_frame(int fd, Header* h, std::string* body) {
+  std::string head = read_some(fd, kHeaderSize, 10s);
+  if (head.size() != kHeaderSize) return false;
+  *h = decode_header(reinterpret_cast<const std::uint8_t*>(head.data()));
+  *body = read_some(fd, h->length, 10s);
+  return body->size() == h->length;
+}
+
+TEST(Listener, SpindleClientsGetIdsAndCallEachOtherById) {
+  InProcessRouter r;
+  auto a = r.client(serve_echo);
+  auto b = r.client();
+  EXPECT_NE(a->id(), 0u);
+  EXPECT_NE(a->id(), b->id());
+  EXPECT_EQ(b->router().parent_id(), std::optional<std::uint32_t>(0));
+  EXPECT_EQ(b->context(a->id()).call(kEcho, "hi", 10s), "echo:hi");
+  EXPECT_EQ(r.router().client_count(), 2u);
+}
+
+TEST(Listener, ClientThatLeavesFailsPendingCallsAtOnceAndFiresWatchers) {
+  InProcessRouter r;
+  std::promise<void> arrived;
+  auto a = r.client([&](Router& ar) {
+    ar.add_handler([&](Message&&) { arrived.set_value(); }, {}, kNeverReply);
+  });
+  auto b = r.client();
+  std::promise<std::string> watched;
+  b->router().on_disconnect(a->id(), [&](const std::string& why) { watched.set_value(why); });
+  auto pending = b->context(a->id()).call_async(kNeverReply, {}, 600s);
+  ASSERT_EQ(arrived.get_future().wait_for(20s), std::future_status::ready);
+  a->close();
+  // "At once": long before the call's own 600 s deadline (the guard is a hang guard).
+  ASSERT_EQ(pending.wait_for(30s), std::future_status::ready);
+  try {
+    pending.get();
+    FAIL() << "the call to a client that left succeeded";
+  } catch (const ChannelError& e) {
+    EXPECT_TRUE(contains(e.what(), reason::kPeerDisconnected)) << e.what();
+  }
+  auto w = watched.get_future();
+  ASSERT_EQ(w.wait_for(30s), std::future_status::ready);
+  EXPECT_TRUE(contains(w.get(), reason::kPeerDisconnected));
+}
+
+TEST(Listener, SilentClientStallsNobodyAndIsDroppedAtTheTimeout) {
+  RouterOptions ro = root_opts("router");
+  ro.handshake_timeout = 1500ms;
+  InProcessRouter r({}, ro);
+  int silent = r.raw_connect();
+  auto server = r.client(serve_echo);
+  std::vector<std::unique_ptr<Connection>> others;
+  for (int i = 0; i < 8; ++i) {
+    others.push_back(r.client());
+    EXPECT_EQ(others.back()->context(server->id()).call(kEcho, std::to_string(i), 10s),
+              "echo:" + std::to_string(i));
+  }
+  EXPECT_TRUE(closed_by_peer(silent, 30s)) << "the silent client was never dropped";
+  ::close(silent);
+  EXPECT_EQ(r.router().client_count(), 9u);
+}
+
+TEST(Listener, MitogenClientHandshakeRoutingAndAuthority) {
+  InProcessRouter r;
+  std::promise<Header> seen;
+  auto a = r.client([&](Router& ar) {
+    ar.add_handler(
+        [&](Message&& m) {
+          seen.set_value(m.header);
+          ar.reply(m, Payload::copy_of("pong"), kEncMitogen);
+        },
+        {}, kEcho);
+  });
+  int fd = r.raw_connect();
+  std::uint32_t listener_id = 99, listener_pid = 0;
+  std::uint32_t id = mitogen_hello(fd, 4242, &listener_id, &listener_pid);
+  EXPECT_NE(id, 0u);
+  EXPECT_EQ(listener_id, 0u);
+  EXPECT_EQ(listener_pid, static_cast<std::uint32_t>(::getpid()));
+  Header h{kEncMitogen, a->id(), id, id, kEcho, 1234, 0};
+  write_frame(fd, h, "ping");
+  auto f = seen.get_future();
+  ASSERT_EQ(f.wait_for(20s), std::future_status::ready);
+  Header got = f.get();
+  EXPECT_EQ(got.src_id, id);
+  EXPECT_EQ(got.auth_id, 0u) << "a same-uid client's messages carry the router's auth_id";
+  Header rh;
+  std::string body;
+  ASSERT_TRUE(read_frame(fd, &rh, &body));
+  EXPECT_EQ(rh.enc, kEncMitogen);
+  EXPECT_EQ(rh.dst_id, id);
+  EXPECT_EQ(rh.src_id, a->id());
+  EXPECT_EQ(rh.handle, 1234u);
+  EXPECT_EQ(body, "pong");
+  ::close(fd);
+}
+
+TEST(Listener, SpindleEncodingIsNeverWrittenToAMitogenPeer) {
+  InProcessRouter r;
+  auto b = r.client();
+  int fd = r.raw_connect();
+  std::uint32_t id = mitogen_hello(fd, 4243);
+  try {
+    b->context(id).call(kEcho, "spindle bytes", 20s);  // enc SR
+    FAIL() << "an SR frame was accepted for a Mitogen peer";
+  } catch (const ChannelError& e) {
+    EXPECT_TRUE(contains(e.what(), reason::kUndecodable)) << e.what();
+  }
+  // The next frame the peer reads is the MI one sent after: the SR one never came.
+  b->router().send(Message::make(id, 1500, Payload::copy_of("readable"), kEncMitogen));
+  Header h;
+  std::string body;
+  ASSERT_TRUE(read_frame(fd, &h, &body));
+  EXPECT_EQ(h.enc, kEncMitogen);
+  EXPECT_EQ(h.handle, 1500u);
+  EXPECT_EQ(body, "readable");
+  ::close(fd);
+}
+
+TEST(Listener, AFirstByteOfNeitherDialectIsRefusedAtOnce) {
+  InProcessRouter r;
+  int fd = r.raw_connect();
+  ASSERT_EQ(::write(fd, "X", 1), 1);
+  std::string got = read_some(fd, 4, 10s);
+  EXPECT_EQ(got, "SPNO");
+  EXPECT_TRUE(closed_by_peer(fd, 10s));
+  ::close(fd);
+}
+
+TEST(Listener, MaxClientsRefusesWithTheReason) {
+  ListenerOptions lo;
+  lo.max_clients = 1;
+  InProcessRouter r(lo);
+  auto a = r.client();
+  try {
+    r.client();
+    FAIL() << "a second client was admitted past max-clients 1";
+  } catch (const Error& e) {
+    EXPECT_TRUE(contains(e.what(), "router full")) << e.what();
+  }
+  EXPECT_EQ(r.listener().stats().refused_full, 1u);
+  a->close();
+  // The slot is free again once the router has seen A leave.
+  for (int i = 0; i < 200 && r.router().client_count() != 0; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_NO_THROW(r.client());
+}
+
+TEST(Listener, AnotherUidIsRefusedAndLogged) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  auto sink = std::make_shared<CaptureSink>();
+  set_log_sinks({sink});
+  struct Restore {
+    ~Restore() { set_log_sinks({}); }
+  } restore;
+  ListenerOptions lo;
+  lo.address = UnixAddress::parse(fmt::format("@spindle-test-uid-{}", ::getpid()));
+  InProcessRouter r(lo);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(10);
+    try {
+      int fd = connect_unix(lo.address);
+      ::_exit(closed_by_peer(fd, 10s) ? 0 : 11);
+    } catch (...) {
+      ::_exit(12);
+    }
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << describe_wait_status(st);
+  std::string line;
+  spdlog::level::level_enum level;
+  EXPECT_TRUE(sink->wait_for_line(fmt::format("refused client pid={} uid=65534", pid), 10s, &line,
+                                  &level));
+  EXPECT_EQ(r.listener().stats().refused_uid, 1u);
+}
+
+TEST(Listener, AbstractAddressLeavesNoFile) {
+  ListenerOptions lo;
+  lo.address = UnixAddress::parse(fmt::format("@spindle-test-abstract-{}", ::getpid()));
+  InProcessRouter r(lo);
+  auto a = r.client(serve_echo);
+  auto b = r.client();
+  EXPECT_EQ(b->context(a->id()).call(kEcho, "abs", 10s), "echo:abs");
+  EXPECT_TRUE(std::filesystem::is_empty(r.dir()));
+}
+
+TEST(Listener, StaleSocketIsReplacedLiveOneAndOtherFilesAreErrors) {
+  TempDir dir;
+  UnixAddress addr{dir.path() + "/router.sock", false};
+  {  // a socket file nobody listens on
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    socklen_t len = addr.to_sockaddr(sa);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), len), 0);
+    ::close(fd);
+  }
+  ListenerOptions lo;
+  lo.address = addr;
+  InProcessRouter live(lo);
+  struct stat st {};
+  ASSERT_EQ(::stat(addr.name.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << "the socket file is private from the start";
+  try {
+    InProcessRouter second(lo);
+    FAIL() << "a second listener took over a live socket";
+  } catch (const Error& e) {
+    EXPECT_TRUE(contains(e.what(), "another process is listening")) << e.what();
+  }
+  ListenerOptions lf;
+  lf.address = UnixAddress{dir.path() + "/plain-file", false};
+  std::FILE* f = std::fopen(lf.address.name.c_str(), "w");
+  std::fclose(f);
+  try {
+    InProcessRouter third(lf);
+    FAIL() << "a regular file was replaced";
+  } catch (const Error& e) {
+    EXPECT_TRUE(contains(e.what(), "is not a socket")) << e.what();
+  }
+}
+
+TEST(Listener, OutOfFdsRefusesNewClientsPromptlyAndExistingOnesKeepWorking) {
+  InProcessRouter r;
+  auto server = r.client(serve_echo);
+  auto existing = r.client();
+  constexpr int kTries = 8;
+  std::vector<int> socks;
+  for (int i = 0; i < kTries; ++i) socks.push_back(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = count_open_fds() + 1;  // room for one accepted client
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  sockaddr_un sa{};
+  socklen_t len = r.address().to_sockaddr(sa);
+  for (int s : socks) ASSERT_EQ(::connect(s, reinterpret_cast<sockaddr*>(&sa), len), 0);
+  int refused = 0;
+  for (int s : socks) refused += closed_by_peer(s, 2s) ? 1 : 0;
+  // Each client was either taken into a handshake (while fds lasted) or
+  // refused: none was left hanging in the backlog.
+  const int accepted = static_cast<int>(r.router().client_count()) - 2;
+  EXPECT_GE(refused, 1);
+  EXPECT_EQ(accepted + refused, kTries) << accepted << " accepted, " << refused << " refused";
+  EXPECT_EQ(existing->context(server->id()).call(kEcho, "still here", 10s), "echo:still here");
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  for (int s : socks) ::close(s);
+  EXPECT_GE(r.listener().stats().refused_no_fds, static_cast<std::uint64_t>(refused));
+  auto after = r.client();  // accepting again once fds are free
+  EXPECT_EQ(after->context(server->id()).call(kEcho, "again", 10s), "echo:again");
+}
+
+}  // namespace
+}  // namespace spindle
