@@ -187,8 +187,10 @@ void Broker::begin_shutdown(std::chrono::milliseconds grace) {
   deadline_ = std::make_unique<asio::steady_timer>(io_, grace);
   wait_for_grace_deadline();
   // Copy: a participant may unregister itself while being told.
-  auto all = participants_;
-  for (auto* p : all) p->on_shutdown_begin();
+  auto firsts = first_;
+  for (auto* p : firsts)
+    if (participants_.count(p)) p->on_shutdown_begin();
+  tell_rest_once_firsts_drained();
   maybe_finish();
 }
 
@@ -197,6 +199,7 @@ void Broker::wait_for_grace_deadline() {
     if (ec == asio::error::operation_aborted) return;
     log().warn("broker: shutdown grace period over; force-closing {} participant(s)",
                participants_.size() - drained_.size());
+    tell_rest();
     auto left = participants_;
     for (auto* p : left) {
       if (!drained_.count(p)) p->on_shutdown_deadline();
@@ -214,17 +217,46 @@ void Broker::shorten_grace(std::chrono::milliseconds grace) {
   wait_for_grace_deadline();
 }
 
+// Participants added with add_first_participant() (worker pools) drain before
+// the others are told, so that calls they finish can still be answered over
+// streams that the router has not yet begun to close.
+void Broker::tell_rest_once_firsts_drained() {
+  for (auto* p : first_)
+    if (!drained_.count(p)) return;
+  tell_rest();
+}
+
+void Broker::tell_rest() {
+  if (rest_told_) return;
+  rest_told_ = true;
+  auto all = participants_;
+  for (auto* p : all)
+    if (!first_.count(p) && participants_.count(p)) p->on_shutdown_begin();
+}
+
 void Broker::add_participant(ShutdownParticipant* p) { participants_.insert(p); }
+
+void Broker::add_first_participant(ShutdownParticipant* p) {
+  participants_.insert(p);
+  first_.insert(p);
+}
 
 void Broker::remove_participant(ShutdownParticipant* p) {
   participants_.erase(p);
   drained_.erase(p);
-  if (state() == State::kDraining) maybe_finish();
+  first_.erase(p);
+  if (state() == State::kDraining) {
+    tell_rest_once_firsts_drained();
+    maybe_finish();
+  }
 }
 
 void Broker::participant_drained(ShutdownParticipant* p) {
   if (participants_.count(p)) drained_.insert(p);
-  if (state() == State::kDraining) maybe_finish();
+  if (state() == State::kDraining) {
+    tell_rest_once_firsts_drained();
+    maybe_finish();
+  }
 }
 
 void Broker::maybe_finish() {

@@ -104,6 +104,10 @@ class Broker {
   // --- broker thread only ---
   asio::io_context& io() { return io_; }
   void add_participant(ShutdownParticipant* p);
+  // Told first: the others are told only once every first participant has
+  // drained (or the grace period ends). Worker pools use it, so a broker
+  // shutdown stops its pools before the router closes the streams.
+  void add_first_participant(ShutdownParticipant* p);
   void remove_participant(ShutdownParticipant* p);
   void participant_drained(ShutdownParticipant* p);
 
@@ -115,6 +119,8 @@ class Broker {
   void wait_for_grace_deadline();
   void shorten_grace(std::chrono::milliseconds grace);
   void maybe_finish();
+  void tell_rest_once_firsts_drained();
+  void tell_rest();
   void finish();
 
   Options opts_;
@@ -139,6 +145,8 @@ class Broker {
   std::unordered_map<TimerId, std::unique_ptr<asio::steady_timer>> timers_;
   std::unordered_set<ShutdownParticipant*> participants_;
   std::unordered_set<ShutdownParticipant*> drained_;
+  std::unordered_set<ShutdownParticipant*> first_;  // subset of participants_
+  bool rest_told_ = false;
   std::unique_ptr<asio::steady_timer> deadline_;
   bool finishing_ = false;
 };

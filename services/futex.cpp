@@ -1,0 +1,52 @@
+// A WakeWord is a private futex: FUTEX_WAIT with a relative timeout computed
+// from the deadline, FUTEX_WAKE of one waiter. Private futexes never cross a
+// process, so a forked child sleeping on its copy of a word is never woken by
+// the parent (it has no reason to sleep on one anyway).
+#include "services/futex.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <ctime>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+
+namespace spindle::services {
+
+bool WakeWord::wait(std::uint32_t expected, std::chrono::steady_clock::time_point deadline) {
+  using namespace std::chrono;
+  timespec ts{};
+  timespec* tsp = nullptr;
+  if (deadline != steady_clock::time_point::max()) {
+    auto left = deadline - steady_clock::now();
+    if (left <= nanoseconds::zero()) return false;
+    auto s = duration_cast<seconds>(left);
+    ts.tv_sec = static_cast<time_t>(s.count());
+    ts.tv_nsec = static_cast<long>(duration_cast<nanoseconds>(left - s).count());
+    tsp = &ts;
+  }
+  long rc = ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word_), FUTEX_WAIT_PRIVATE,
+                      expected, tsp, nullptr, 0);
+  if (rc == 0) return true;
+  int err = errno;
+  if (err == ETIMEDOUT) return steady_clock::now() < deadline;
+  // EAGAIN: the word changed before we slept; EINTR: a signal. Both re-check.
+  if (err != EAGAIN && err != EINTR) log().error("futex wait failed: {}", errno_text(err));
+  return true;
+}
+
+void WakeWord::set_and_wake(std::uint32_t value) {
+  word_.store(value, std::memory_order_release);
+  // The result is ignored on purpose: once the value is stored, a waiter that
+  // woke spuriously may already have returned and left the word's frame, so
+  // this wake can land on a stale address. That is harmless (it wakes nobody,
+  // or a thread that re-checks its own word and sleeps again), and an EFAULT
+  // would say nothing about this waiter.
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word_), FUTEX_WAKE_PRIVATE, 1,
+                  nullptr, nullptr, 0);
+}
+
+}  // namespace spindle::services

@@ -1,0 +1,32 @@
+// WakeWord: one 32-bit word a single thread sleeps on, woken by another.
+//
+// Role: the sleeping primitive of the worker pool and of Select. Each waiter
+// sleeps on a word of its own (a Linux futex), so a waker picks exactly which
+// thread to wake and no other thread stirs: no thundering herd, and no fd.
+// std::atomic::wait would do the same but has no timeout; Select needs one.
+//
+// Thread safety: wait() by the owning thread only; wake() from any thread.
+// Ownership: a plain value, usually on the waiter's stack.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace spindle::services {
+
+class WakeWord {
+ public:
+  // Sleeps while the word equals `expected`, until `deadline` (steady clock).
+  // Returns on a wake, a change of value, a signal or the deadline; the caller
+  // re-checks the word. Returns false only when the deadline has passed.
+  bool wait(std::uint32_t expected, std::chrono::steady_clock::time_point deadline);
+  // Stores `value` and wakes the one thread sleeping on the word, if any.
+  void set_and_wake(std::uint32_t value);
+  std::uint32_t load() const { return word_.load(std::memory_order_acquire); }
+
+ private:
+  std::atomic<std::uint32_t> word_{0};
+};
+
+}  // namespace spindle::services

@@ -1,0 +1,109 @@
+// The broker thread decodes each envelope (a bounded copy of the names) only
+// to pick the lane; the worker decodes it again rather than carrying a
+// decoded copy through the lane, which holds plain Messages. Policies run on
+// the worker too: a custom predicate is user code and may be slow.
+#include "services/host.h"
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "services/envelope.h"
+#include "services/reasons.h"
+
+namespace spindle::services {
+
+ServiceHost::ServiceHost(Router& router, Pool& pool) : router_(router), pool_(pool) {
+  if (!pool_.attached_broker()) pool_.attach(router_.broker());
+  handle_ = router_.add_handler([this](Message&& m) { on_request(std::move(m)); }, {},
+                                kHandleCallService);
+  if (handle_ == 0) throw Error("CALL_SERVICE (110) already has a handler on this router");
+  // Services outlive the workers: on_shutdown runs once they have all left.
+  pool_.on_stopped([this] {
+    std::lock_guard lk(mu_);
+    for (auto& [name, e] : services_) {
+      try {
+        e.service->on_shutdown();
+      } catch (const std::exception& ex) {
+        log().error("service {}: on_shutdown threw: {}", name, ex.what());
+      }
+    }
+  });
+}
+
+ServiceHost::~ServiceHost() {
+  pool_.stop();
+  del_handler_on_broker(router_, handle_);
+}
+
+Service& ServiceHost::add(std::unique_ptr<Service> service) {
+  if (!service) throw Error("ServiceHost::add: no service");
+  Service& svc = *service;
+  std::lock_guard lk(mu_);
+  if (services_.count(svc.name())) throw Error(fmt::format("service {} is already hosted", svc.name()));
+  LaneOptions lo;
+  lo.name = svc.name();
+  lo.serialized = svc.mode() == RunMode::kSerialized;
+  Lane& lane = pool_.add_lane(
+      std::move(lo), [this, &svc](Message&& m) { run(svc, std::move(m)); },
+      [this](Message&& m, std::string_view why) { reject(m, why); });
+  services_.emplace(svc.name(), Entry{std::move(service), &lane});
+  return svc;
+}
+
+Service* ServiceHost::find(std::string_view name) const {
+  std::lock_guard lk(mu_);
+  auto it = services_.find(name);
+  return it == services_.end() ? nullptr : it->second.service.get();
+}
+
+std::vector<std::string> ServiceHost::names() const {
+  std::lock_guard lk(mu_);
+  std::vector<std::string> out;
+  for (auto& [name, e] : services_) out.push_back(name);
+  return out;
+}
+
+HostStats ServiceHost::stats() const {
+  return HostStats{received_.load(), answered_.load(), rejected_.load()};
+}
+
+void ServiceHost::reject(const Message& m, std::string_view why) {
+  ++rejected_;
+  log().debug("service call from context {} rejected: {}", m.header.src_id, why);
+  send_dead_reply(router_, m, why);
+}
+
+void ServiceHost::on_request(Message&& m) {
+  ++received_;
+  DecodeResult d = decode_call(m.data);
+  if (!d.ok()) return reject(m, d.error);
+  Lane* lane = nullptr;
+  {
+    std::lock_guard lk(mu_);
+    auto it = services_.find(d.envelope.service);
+    if (it != services_.end()) lane = it->second.lane;
+  }
+  if (!lane) return reject(m, fmt::format("{}: {}", reason::kUnknownService, d.envelope.service));
+  pool_.submit(*lane, std::move(m));
+}
+
+void ServiceHost::run(Service& svc, Message&& m) {
+  DecodeResult d = decode_call(m.data);
+  if (!d.ok()) return reject(m, d.error);  // cannot happen: checked on arrival
+  const Service::Exposed* method = svc.find(d.envelope.method);
+  if (!method)
+    return reject(m, fmt::format("{}: {}.{}", reason::kUnknownMethod, svc.name(), d.envelope.method));
+  Caller caller{m.header.src_id, m.header.auth_id, router_.id(), router_.parent_id()};
+  if (!method->access.allows(caller))
+    return reject(m, fmt::format("{}: {}.{} ({}) refused context {}", reason::kRefused, svc.name(),
+                                 d.envelope.method, method->access.description(), caller.auth_id));
+  ++answered_;
+  Message head;
+  head.header = m.header;  // the request minus its bytes: the args share them
+  Request req(router_, std::move(head), caller, svc.name(), std::move(d.envelope.method),
+              std::move(d.envelope.args));
+  svc.run(req, *method);
+}
+
+}  // namespace spindle::services

@@ -1,0 +1,237 @@
+// One mutex guards the lanes, the ring and the list of idle threads; it is
+// held only to move pointers, never across a wake or a handler. An idle
+// thread parks on a WakeWord of its own (on its stack) and is handed its
+// message before it is woken, so the woken thread takes no lock to get it and
+// nobody else can steal it: one message, one wake, one running thread.
+//
+// Why per-thread words rather than a shared semaphore or condition variable:
+// bench/services.cpp measures the three on the same hand-off. All three wake
+// one thread per message at best, but with a shared counter the thread woken
+// must still lock the queue to find its message (and may find it taken by a
+// thread that was not asleep), so it pays a second lock and, under load,
+// spurious wake-ups; handing off directly pays neither.
+#include "services/lanes.h"
+
+#include <algorithm>
+
+#include "services/fork.h"
+
+namespace spindle::services {
+namespace {
+// The set whose message this thread is running (between take and done), so a
+// fork from inside a handler does not wait for its own thread.
+thread_local const LaneSet* tl_running_in = nullptr;
+}  // namespace
+
+LaneSet::LaneSet() { fork_guard::register_set(this); }
+
+LaneSet::~LaneSet() {
+  fork_guard::unregister_set(this);
+  WakeList idle;
+  {
+    std::lock_guard lk(mu_);
+    closed_ = true;
+    release_idle_locked(idle);
+  }
+  wake_all(idle);
+}
+
+Lane& LaneSet::add_lane(LaneOptions opts) {
+  std::lock_guard lk(mu_);
+  lanes_.push_back(std::unique_ptr<Lane>(new Lane(std::move(opts))));
+  return *lanes_.back();
+}
+
+void LaneSet::enter_ring_locked(Lane& lane) {
+  if (lane.in_ring_ || lane.queue_.empty() || (lane.serialized() && lane.running_)) return;
+  lane.in_ring_ = true;
+  ring_.push_back(&lane);
+}
+
+std::optional<LaneSet::Taken> LaneSet::next_locked() {
+  if (ring_.empty() || frozen_ || closed_) return std::nullopt;
+  Lane* lane = ring_.front();
+  ring_.pop_front();
+  lane->in_ring_ = false;
+  Taken t{lane, std::move(lane->queue_.front())};
+  lane->queue_.pop_front();
+  if (lane->serialized()) lane->running_ = true;
+  enter_ring_locked(*lane);  // back at the tail, if it has more and may run
+  ++stats_.running;
+  --stats_.queued;
+  return t;
+}
+
+void LaneSet::release_idle_locked(WakeList& wake) {
+  for (Waiter* w : idle_) wake.push_back({w, 2});
+  idle_.clear();
+}
+
+// Outside the lock: a waiter reads its slot only after seeing its word set.
+void LaneSet::wake_all(const WakeList& wake) {
+  for (auto [w, value] : wake) w->word.set_and_wake(value);
+}
+
+void LaneSet::hand_out_locked(WakeList& wake) {
+  while (!idle_.empty()) {
+    auto t = next_locked();
+    if (!t) return;
+    Waiter* w = idle_.back();
+    idle_.pop_back();
+    w->slot = std::move(t);
+    ++stats_.handed;
+    ++stats_.wakeups;
+    wake.push_back({w, 1});
+  }
+}
+
+bool LaneSet::push(Lane& lane, Message& m) {
+  WakeList wake;
+  {
+    std::lock_guard lk(mu_);
+    if (draining_ || closed_ || lane.retired_) return false;
+    lane.queue_.push_back(std::move(m));
+    ++stats_.pushed;
+    ++stats_.queued;
+    enter_ring_locked(lane);
+    hand_out_locked(wake);
+  }
+  wake_all(wake);
+  return true;
+}
+
+std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
+  Waiter self;
+  {
+    std::lock_guard lk(mu_);
+    if (auto t = next_locked()) {
+      tl_running_in = this;
+      return t;
+    }
+    // Draining with an empty ring: what is left belongs to serialized lanes
+    // now running, and the thread running each takes its tail itself.
+    if (closed_ || (draining_ && ring_.empty())) return std::nullopt;
+    idle_.push_back(&self);
+  }
+  for (;;) {
+    std::uint32_t v = self.word.load();
+    if (v == 1) {
+      tl_running_in = this;
+      return std::move(self.slot);
+    }
+    if (v == 2) return std::nullopt;
+    if (!self.word.wait(0, deadline)) {
+      std::lock_guard lk(mu_);
+      auto it = std::find(idle_.begin(), idle_.end(), &self);
+      if (it == idle_.end()) {
+        // Someone took us off the idle list and is about to set our word
+        // (a message, or "nothing more"): wait for it, past the deadline.
+        deadline = Clock::time_point::max();
+        continue;
+      }
+      idle_.erase(it);
+      ++stats_.timeouts;
+      return std::nullopt;
+    }
+  }
+}
+
+void LaneSet::done(Lane& lane) {
+  WakeList wake;
+  {
+    std::lock_guard lk(mu_);
+    tl_running_in = nullptr;
+    --stats_.running;
+    if (lane.serialized()) {
+      lane.running_ = false;
+      enter_ring_locked(lane);
+      hand_out_locked(wake);
+    }
+    if (stats_.running == 0 || frozen_) quiet_cv_.notify_all();
+    // Draining and nothing left for anyone: let the idle threads go.
+    if (draining_ && ring_.empty()) release_idle_locked(wake);
+  }
+  wake_all(wake);
+}
+
+void LaneSet::begin_drain() {
+  WakeList wake;
+  {
+    std::lock_guard lk(mu_);
+    if (draining_) return;
+    draining_ = true;
+    // Idle threads exist only when nothing runnable is queued; messages of a
+    // running serialized lane are taken by the thread that finishes it.
+    if (ring_.empty()) release_idle_locked(wake);
+  }
+  wake_all(wake);
+}
+
+std::vector<Message> LaneSet::retire(Lane& lane) {
+  std::lock_guard lk(mu_);
+  lane.retired_ = true;
+  if (lane.in_ring_) ring_.erase(std::find(ring_.begin(), ring_.end(), &lane));
+  lane.in_ring_ = false;
+  std::vector<Message> left(std::make_move_iterator(lane.queue_.begin()),
+                            std::make_move_iterator(lane.queue_.end()));
+  stats_.queued -= left.size();
+  lane.queue_.clear();
+  return left;
+}
+
+std::vector<LaneSet::Taken> LaneSet::close() {
+  std::vector<Taken> left;
+  WakeList wake;
+  {
+    std::lock_guard lk(mu_);
+    draining_ = closed_ = true;
+    for (auto& l : lanes_) {
+      for (Message& m : l->queue_) left.push_back(Taken{l.get(), std::move(m)});
+      l->queue_.clear();
+      l->in_ring_ = false;
+    }
+    ring_.clear();
+    stats_.queued = 0;
+    release_idle_locked(wake);
+  }
+  wake_all(wake);
+  return left;
+}
+
+bool LaneSet::accepting() const {
+  std::lock_guard lk(mu_);
+  return !draining_ && !closed_;
+}
+
+LaneStats LaneSet::stats() const {
+  std::lock_guard lk(mu_);
+  LaneStats s = stats_;
+  s.idle = idle_.size();
+  return s;
+}
+
+bool LaneSet::freeze_for_fork(Clock::time_point deadline) {
+  std::unique_lock lk(mu_);
+  frozen_ = true;
+  const std::size_t own = tl_running_in == this ? 1 : 0;
+  return quiet_cv_.wait_until(lk, deadline, [&] { return stats_.running <= own; });
+}
+
+void LaneSet::hold_for_fork() { mu_.lock(); }  // thaw_* unlocks
+
+void LaneSet::thaw_in_parent() {
+  WakeList wake;
+  frozen_ = false;
+  hand_out_locked(wake);
+  mu_.unlock();
+  wake_all(wake);
+}
+
+void LaneSet::thaw_in_child() {
+  // The parent's threads do not exist here; nothing may wait for them.
+  closed_ = true;
+  idle_.clear();
+  mu_.unlock();
+}
+
+}  // namespace spindle::services

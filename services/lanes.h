@@ -1,0 +1,143 @@
+// LaneSet: the queue a pool's workers (or a Select's waiters) take work from.
+//
+// Role: holds messages in lanes (one per service or receiver), and hands
+// them to waiting threads under two rules:
+//  - Wake rule: a message wakes at most one thread, and only when a thread is
+//    idle. It is handed straight to that thread (which then needs no lock to
+//    get it), so exactly one futex wake is spent on it. A message that finds
+//    no idle thread waits in its lane and costs no wake at all: a busy thread
+//    takes it on its way back. Idle threads are kept newest-first, so under a
+//    light load one warm thread does the work and the others stay asleep.
+//  - Fairness rule: lanes with queued messages form a ring. A taker takes one
+//    message from the lane at the head of the ring and puts the lane back at
+//    the tail if it has more. So a message waits behind at most one message
+//    of every other lane with work, however deep those lanes are.
+// A serialized lane leaves the ring while one of its messages runs, and
+// re-enters it when the taker calls done(): its messages run one at a time in
+// arrival order.
+//
+// Shutdown: begin_drain() refuses new messages; takers keep taking queued
+// ones and get nothing once the ring is empty. close() also drops the queue
+// (returned to the caller, who answers each sender).
+//
+// Fork: every LaneSet is registered with the fork guard (services/fork.cpp),
+// which freezes it across fork() so no worker is inside a message then.
+//
+// Thread safety: every member is safe from any thread.
+// Ownership: owns its lanes and queued messages; the waiting threads are the
+// caller's (Pool or Select). Lane pointers live as long as the set.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "services/futex.h"
+#include "stream/message.h"
+
+namespace spindle::services {
+
+struct LaneOptions {
+  std::string name;
+  bool serialized = false;  // one message at a time, in arrival order
+};
+
+class Lane {
+ public:
+  const std::string& name() const { return opts_.name; }
+  bool serialized() const { return opts_.serialized; }
+  void* owner = nullptr;  // the Pool's or Select's per-lane record
+
+ private:
+  friend class LaneSet;
+  explicit Lane(LaneOptions o) : opts_(std::move(o)) {}
+  LaneOptions opts_;
+  std::deque<Message> queue_;  // guarded by the set's mutex
+  bool in_ring_ = false;
+  bool running_ = false;       // serialized lanes: one of its messages runs
+  bool retired_ = false;       // refuses new messages
+};
+
+struct LaneStats {
+  std::uint64_t pushed = 0;     // messages accepted
+  std::uint64_t handed = 0;     // given straight to an idle thread
+  std::uint64_t wakeups = 0;    // futex wakes issued (one per handed message)
+  std::uint64_t timeouts = 0;   // waits that ended at their deadline
+  std::size_t queued = 0;       // messages waiting now
+  std::size_t running = 0;      // messages taken and not yet done()
+  std::size_t idle = 0;         // threads asleep in take()
+};
+
+class LaneSet {
+ public:
+  using Clock = std::chrono::steady_clock;
+  struct Taken {
+    Lane* lane = nullptr;
+    Message msg;
+  };
+
+  LaneSet();
+  ~LaneSet();
+  LaneSet(const LaneSet&) = delete;
+  LaneSet& operator=(const LaneSet&) = delete;
+
+  Lane& add_lane(LaneOptions opts);
+  // Queues `m` on `lane`, handing it to an idle thread if the lane may run.
+  // Returns false (and leaves `m` untouched) once draining or closed.
+  bool push(Lane& lane, Message& m);
+  // Waits for a message until `deadline`. Empty on timeout, or when draining
+  // with nothing left, or closed. Every message taken must be done() after.
+  std::optional<Taken> take(Clock::time_point deadline);
+  void done(Lane& lane);
+  // Refuses new messages; takers drain the queue, then get nothing.
+  void begin_drain();
+  // Refuses new messages and returns every queued one; takers get nothing.
+  std::vector<Taken> close();
+  // The lane takes no more messages; returns those it still held.
+  std::vector<Message> retire(Lane& lane);
+  bool accepting() const;
+  LaneStats stats() const;
+
+  // --- fork guard (services/fork.cpp) only ---
+  // Stops handing out messages and waits (up to `deadline`) until none is
+  // running except the calling thread's own; false if one still was.
+  bool freeze_for_fork(Clock::time_point deadline);
+  // Takes the mutex, held across fork(); thaw_* releases it.
+  void hold_for_fork();
+  void thaw_in_parent();
+  // In the child: the threads are gone; the set is inert and never touched.
+  void thaw_in_child();
+
+ private:
+  struct Waiter {
+    WakeWord word;           // 0 asleep, 1 handed a message, 2 nothing more
+    std::optional<Taken> slot;
+  };
+  using WakeList = std::vector<std::pair<Waiter*, std::uint32_t>>;
+  // Under mu_: takes the next message the fairness rule allows.
+  std::optional<Taken> next_locked();
+  // Under mu_: hands ready messages to idle threads, listing whom to wake.
+  void hand_out_locked(WakeList& wake);
+  void release_idle_locked(WakeList& wake);  // "nothing more" to every idle thread
+  static void wake_all(const WakeList& wake);
+  void enter_ring_locked(Lane& lane);
+
+  mutable std::mutex mu_;
+  std::condition_variable quiet_cv_;  // freeze_for_fork waits for running_ == self
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::deque<Lane*> ring_;
+  std::vector<Waiter*> idle_;  // newest last
+  bool draining_ = false;
+  bool closed_ = false;
+  bool frozen_ = false;
+  LaneStats stats_;
+};
+
+}  // namespace spindle::services

@@ -1,0 +1,120 @@
+// The answer is built once per request header and sent with Router::send(),
+// which may wait while the caller's queue is full: a reply is never dropped
+// for back-pressure. Dead replies use route() instead, which never waits, so
+// the broker thread may send them; they are small and a full queue is logged.
+#include "services/reply.h"
+
+#include <cxxabi.h>
+
+#include <cstdlib>
+#include <future>
+#include <typeinfo>
+
+#include "broker/log.h"
+#include "services/reasons.h"
+
+namespace spindle::services {
+
+void send_dead_reply(Router& router, const Message& request, std::string_view reason) {
+  if (!Message::wants_dead_reply(request)) {
+    log().info("service call from context {} not answered (no reply_to): {}", request.header.src_id,
+               reason);
+    return;
+  }
+  try {
+    router.route(Message::dead_reply(request, reason));
+  } catch (const std::exception& e) {
+    log().warn("cannot send dead reply to context {} ({}): {}", request.header.src_id, reason, e.what());
+  }
+}
+
+void del_handler_on_broker(Router& router, std::uint32_t handle) {
+  std::promise<void> gone;
+  auto f = gone.get_future();
+  if (!router.broker().on_broker_thread() && router.broker().try_defer([&router, handle, &gone] {
+        router.del_handler(handle);
+        gone.set_value();
+      }))
+    f.wait();
+  else
+    router.del_handler(handle);
+}
+
+std::string exception_type(const std::exception& e) {
+  const char* mangled = typeid(e).name();
+  int status = 0;
+  char* s = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string out = status == 0 && s ? s : mangled;
+  std::free(s);
+  return out;
+}
+
+ReplyState::ReplyState(Router& router, const Message& request) : router_(router) {
+  requests_.push_back(request.header);
+}
+
+ReplyState::~ReplyState() {
+  if (!answered_) answer(Kind::kDead, {}, {}, reason::kNoReply);
+}
+
+bool ReplyState::join(const Message& request) {
+  std::lock_guard lk(mu_);
+  if (answered_) return false;
+  requests_.push_back(request.header);
+  return true;
+}
+
+void ReplyState::on_answered(std::function<void()> fn) {
+  std::lock_guard lk(mu_);
+  on_answered_ = std::move(fn);
+}
+
+bool ReplyState::answered() const {
+  std::lock_guard lk(mu_);
+  return answered_;
+}
+
+std::size_t ReplyState::joined() const {
+  std::lock_guard lk(mu_);
+  return requests_.size();
+}
+
+bool ReplyState::answer(Kind kind, Payload data, std::string_view type, std::string_view text) {
+  std::vector<Header> to;
+  std::function<void()> done;
+  {
+    std::lock_guard lk(mu_);
+    if (answered_) return false;
+    answered_ = true;
+    to.swap(requests_);
+    done.swap(on_answered_);
+  }
+  if (done) done();
+  for (const Header& h : to) {
+    Message req;
+    req.header = h;
+    if (!Message::wants_dead_reply(req)) continue;
+    try {
+      switch (kind) {
+        case Kind::kResult: router_.send(Message::reply_to(req, data)); break;
+        case Kind::kCallError: router_.send(Message::call_error(req, type, text)); break;
+        case Kind::kDead: send_dead_reply(router_, req, text); break;
+      }
+    } catch (const std::exception& e) {
+      log().warn("cannot answer service call from context {}: {}", h.src_id, e.what());
+    }
+  }
+  return true;
+}
+
+bool Reply::send(Payload result) const {
+  return st_ && st_->answer(ReplyState::Kind::kResult, std::move(result));
+}
+
+bool Reply::fail(std::string_view type, std::string_view message) const {
+  return st_ && st_->answer(ReplyState::Kind::kCallError, {}, type, message);
+}
+
+bool Reply::sent() const { return st_ && st_->answered(); }
+
+}  // namespace spindle::services
