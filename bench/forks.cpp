@@ -4,7 +4,7 @@
 // per worker, the slowest worker's latency, failures, and a raw fork()+_exit()
 // floor measured in the same run; it draws the scaling as an SVG.
 //
-// Usage: bench_forks [--quick] [--max N] [--svg PATH]
+// Usage: bench_forks [--quick] [--max N] [--calls K] [--burst-only] [--svg PATH]
 // Target (issue 3): <= 0.3 ms per worker at N = 1024 in burst mode, 0 failures.
 #include <unistd.h>
 
@@ -91,13 +91,17 @@ int main(int argc, char** argv) {
   bool quick = false;
   int max_n = 1024;
   std::string svg = "bench_forks.svg";
+  int calls = scaling::Options{}.calls;
+  bool one_at_a_time = true;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--quick") quick = true;
     else if (a == "--max" && i + 1 < argc) max_n = std::atoi(argv[++i]);
     else if (a == "--svg" && i + 1 < argc) svg = argv[++i];
+    else if (a == "--calls" && i + 1 < argc) calls = std::atoi(argv[++i]);
+    else if (a == "--burst-only") one_at_a_time = false;
     else {
-      std::fprintf(stderr, "usage: %s [--quick] [--max N] [--svg PATH]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--max N] [--calls K] [--burst-only] [--svg PATH]\n", argv[0]);
       return 2;
     }
   }
@@ -111,17 +115,19 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("\nspindle bench_forks%s: N workers fork, connect, %d ping calls, one sibling call each\n",
-              quick ? " --quick" : "", scaling::Options{}.calls);
+              quick ? " --quick" : "", calls);
   std::printf("%-14s %6s %10s %12s %12s %9s %14s %14s\n", "mode", "N", "wall ms", "ms/worker",
               "slowest ms", "failures", "fork+exit ms", "floor ms/wkr");
   std::vector<Row> rows;
   int total_failures = 0;
   for (bool burst : {true, false}) {
+    if (!burst && !one_at_a_time) continue;
     for (int n = 1; n <= max_n; n *= (n < 16 ? 4 : 2)) {
       scaling::Options o;
       o.socket = sock;
       o.workers = n;
       o.burst = burst;
+      o.calls = calls;
       scaling::Result r = scaling::run(o);
       total_failures += r.failures;
       std::printf("%-14s %6d %10.1f %12.3f %12.1f %9d %14.1f %14.3f\n", burst ? "burst" : "one-at-a-time",

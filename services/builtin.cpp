@@ -4,11 +4,26 @@
 // Router's and Listener's own snapshots) and formatted on the worker.
 #include "services/builtin.h"
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
 
 namespace spindle::services {
+namespace {
+
+// Open fds of this process (without the one that lists them), or -1.
+long open_fds() {
+  DIR* d = ::opendir("/proc/self/fd");
+  if (!d) return -1;
+  long n = 0;
+  while (dirent* e = ::readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  ::closedir(d);
+  return n - 1;
+}
+
+}  // namespace
 
 std::unique_ptr<Service> make_ping_service() {
   auto s = std::make_unique<Service>(kPingService);
@@ -21,9 +36,9 @@ std::string format_stats(Router& router, Listener* listener) {
   std::vector<ClientStats> clients = router.client_stats();
   ListenerStats ls = listener ? listener->stats() : ListenerStats{};
   std::string out = fmt::format(
-      "router id={} pid={} clients={} routed={} delivered={} dead_replies={} accepted={} "
+      "router id={} pid={} fds={} clients={} routed={} delivered={} dead_replies={} accepted={} "
       "refused_uid={} refused_full={} refused_no_fds={}\n",
-      router.id(), ::getpid(), clients.size(), rs.routed, rs.delivered_locally, rs.dead_replies,
+      router.id(), ::getpid(), open_fds(), clients.size(), rs.routed, rs.delivered_locally, rs.dead_replies,
       ls.accepted, ls.refused_uid, ls.refused_full, ls.refused_no_fds);
   for (const ClientStats& c : clients)
     out += fmt::format(

@@ -4,10 +4,11 @@
 //                              round trip through the router and its pool.
 //   stats.get   (parents: the router itself, or a same-uid client acting
 //                with its authority)  a snapshot, one record per line:
-//     router id=0 pid=P clients=N routed=R delivered=D dead_replies=X
+//     router id=0 pid=P fds=F clients=N routed=R delivered=D dead_replies=X
 //            accepted=A refused_uid=U refused_full=F refused_no_fds=E
 //     client id=I name=S dialect=spindle|mitogen pid=P uid=U messages_in=..
 //            messages_out=.. bytes_in=.. bytes_out=.. queued_bytes=..
+//   clients counts every client link, handshaking ones included.
 //   Every value is a number or a token without spaces, so the format is
 //   both readable and trivially parsed (spindle-ctl, tests, shell scripts).
 //

@@ -2,6 +2,8 @@
 // workers released together (tests/forks_scaling.h). Every worker must
 // succeed with correct replies, and afterwards the router's fd count and
 // client table must be back to their baseline.
+#include <cstring>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
@@ -14,15 +16,24 @@ namespace {
 using namespace testutil;
 using namespace std::chrono_literals;
 
-// The router's clients, as its stats service reports them.
-int router_clients(const std::string& socket) {
+// The router's open fds and clients, as its stats service reports them while
+// the probe itself is connected (so both include the probe's own socket).
+struct RouterCounts {
+  long fds = -1, clients = -1;
+  bool operator==(const RouterCounts&) const = default;
+};
+
+RouterCounts router_counts(const std::string& socket) {
   RouterOptions ro;
   ro.name = "stats-probe";
   auto c = connect(socket, ro);
   std::string text = services::call_text(c->router_context(), services::kStatsService,
                                          services::kStatsMethod, {}, 30s);
-  auto at = text.find(" clients=");
-  return at == std::string::npos ? -1 : std::atoi(text.c_str() + at + 9) - 1;  // minus the probe
+  auto field = [&](const char* key) {
+    auto at = text.find(key);
+    return at == std::string::npos ? -1L : std::atol(text.c_str() + at + std::strlen(key));
+  };
+  return {field(" fds="), field(" clients=")};
 }
 
 // Polls until `pred` holds, for at most `timeout`.
@@ -44,8 +55,8 @@ void scale(int workers, int silent = 0) {
   RouterProcess router(SPINDLE_ROUTER_BINARY, sock, extra);
   ASSERT_TRUE(router.wait_ready()) << router.log();
   // wait_ready's probe connection must be gone before the baseline is taken.
-  ASSERT_TRUE(eventually([&] { return router_clients(sock) == 0; }));
-  const std::size_t fds_before = count_open_fds(router.pid());
+  RouterCounts before;
+  ASSERT_TRUE(eventually([&] { return (before = router_counts(sock)).clients == 1; }));
 
   scaling::Options o;
   o.socket = sock;
@@ -56,10 +67,10 @@ void scale(int workers, int silent = 0) {
   EXPECT_EQ(r.failures, 0) << fmt::format("{}", fmt::join(r.errors, "\n"));
   EXPECT_TRUE(r.errors.empty()) << fmt::format("{}", fmt::join(r.errors, "\n"));
   EXPECT_EQ(r.silent_dropped, silent);
-  EXPECT_TRUE(eventually([&] { return router_clients(sock) == 0; }))
-      << "clients left in the router's table: " << router_clients(sock);
-  EXPECT_TRUE(eventually([&] { return count_open_fds(router.pid()) == fds_before; }))
-      << "router fds: " << count_open_fds(router.pid()) << ", baseline " << fds_before;
+  RouterCounts after;
+  EXPECT_TRUE(eventually([&] { return (after = router_counts(sock)) == before; }))
+      << "router fds " << after.fds << " (baseline " << before.fds << "), clients "
+      << after.clients << " (baseline " << before.clients << ")";
   if (silent) {
     std::string log = router.log();
     std::size_t timeouts = 0;
