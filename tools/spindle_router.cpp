@@ -171,10 +171,10 @@ int run(const Config& c) {
   std::function<void(const std::error_code&, int)> on_signal = [&](const std::error_code& ec, int sig) {
     if (ec) return;
     if (++received == 1) {
-      log().info("received {}: shutting down gracefully", ::sigabbrev_np(sig));
+      log().info("received SIG{}: shutting down gracefully", ::sigabbrev_np(sig));
       broker.shutdown(c.grace);
     } else {
-      log().warn("received {} again: ending the grace period now", ::sigabbrev_np(sig));
+      log().warn("received SIG{} again: ending the grace period now", ::sigabbrev_np(sig));
       broker.shutdown(std::chrono::milliseconds(0));
     }
     signals.async_wait(on_signal);
