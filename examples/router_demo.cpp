@@ -1,0 +1,136 @@
+// router_demo: starts the spindle-router program, connects three worker
+// processes and this one to it, and has them talk through it.
+//
+// Each worker serves UPPER (uppercases text). This process calls every
+// worker by its context id through the router, calls the router's ping
+// service, prints the router's stats (what `spindle-ctl stats` shows), then
+// stops the router with SIGTERM: the router tells its clients, the workers'
+// links end, and they exit. Exit status 0 only if every answer was right and
+// every process ended cleanly.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/connect.h"
+#include "services/builtin.h"
+#include "services/client.h"
+
+extern char** environ;
+
+namespace {
+
+using namespace spindle;
+using namespace std::chrono_literals;
+
+constexpr std::uint32_t kUpper = 2000;
+
+// A worker process: serves UPPER until the router goes away.
+[[noreturn]] void worker(const std::string& socket, int report_fd) {
+  try {
+    Connection conn;
+    Router& r = conn.router();
+    r.add_handler(
+        [&r](Message&& m) {
+          std::string s = m.text();
+          for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+          r.reply(m, Payload::copy_of(s));
+        },
+        {}, kUpper);
+    conn.connect(UnixAddress::parse(socket));
+    std::uint32_t id = conn.id();
+    if (::write(report_fd, &id, sizeof id) != sizeof id) ::_exit(3);
+    conn.broker().wait_for_shutdown_request();  // the router said SHUTDOWN, or went away
+    ::_exit(0);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "worker: %s\n", e.what());
+    ::_exit(1);
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::string dir = fmt::format("/tmp/spindle-demo-{}", ::getpid());
+  std::filesystem::create_directory(dir);
+  std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
+  std::string socket = dir + "/router.sock";
+  std::string binary = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "spindle-router").string();
+
+  std::printf("starting %s --socket %s\n", binary.c_str(), socket.c_str());
+  std::vector<char*> argv{binary.data(), const_cast<char*>("--socket"), socket.data(), nullptr};
+  pid_t router_pid = -1;
+  if (int rc = ::posix_spawn(&router_pid, binary.c_str(), nullptr, nullptr, argv.data(), environ)) {
+    std::fprintf(stderr, "cannot start spindle-router: %s\n", errno_text(rc));
+    return 1;
+  }
+  bool up = false;
+  for (int i = 0; i < 500 && !up; ++i) {
+    try {
+      ::close(connect_unix(UnixAddress::parse(socket)));
+      up = true;
+    } catch (const Error&) {
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  if (!up) return 1;
+
+  int report[2];
+  if (::pipe2(report, O_CLOEXEC) != 0) return 1;
+  std::vector<pid_t> workers;
+  for (int i = 0; i < 3; ++i) {  // forked before this process starts any thread
+    pid_t p = ::fork();
+    if (p == 0) worker(socket, report[1]);
+    workers.push_back(p);
+  }
+  std::vector<std::uint32_t> ids(workers.size());
+  for (auto& id : ids)
+    if (::read(report[0], &id, sizeof id) != sizeof id) return 1;
+
+  int failures = 0;
+  {
+    auto me = connect(socket);
+    std::printf("this process is context %u; the workers are", me->id());
+    for (auto id : ids) std::printf(" %u", id);
+    std::printf("\n");
+    for (auto id : ids) {
+      std::string text = fmt::format("hello, context {}", id);
+      std::string back = me->context(id).call(kUpper, text, 10s);
+      std::printf("  UPPER(\"%s\") at context %u -> \"%s\"\n", text.c_str(), id, back.c_str());
+      failures += back != fmt::format("HELLO, CONTEXT {}", id);
+    }
+    std::string pong = services::call_text(me->router_context(), "ping", "echo", "ping", 10s);
+    std::printf("  the router's ping service answered \"%s\"\n", pong.c_str());
+    failures += pong != "ping";
+    std::printf("\nthe router's stats (spindle-ctl --socket %s stats --raw):\n%s\n", socket.c_str(),
+                services::call_text(me->router_context(), "stats", "get", {}, 10s).c_str());
+  }
+
+  std::printf("stopping the router with SIGTERM\n");
+  ::kill(router_pid, SIGTERM);
+  int st = 0;
+  ::waitpid(router_pid, &st, 0);
+  std::printf("  spindle-router exited with status %d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  failures += !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  for (pid_t p : workers) {
+    ::waitpid(p, &st, 0);
+    std::printf("  worker pid %d exited with status %d\n", p, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    failures += !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  }
+  std::filesystem::remove_all(dir);
+  std::printf("%s\n", failures ? "FAILED" : "all answers correct; every process exited cleanly");
+  return failures ? 1 : 0;
+}
