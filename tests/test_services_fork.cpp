@@ -194,33 +194,23 @@ TEST(ServicesWatcher, ThreadExitShutsBrokerDownOneWatcherPerThread) {
 }
 
 TEST(ServicesWatcher, ChildGetsItsOwnWatchers) {
-  Broker parent_broker;
-  services::install_watcher(parent_broker);  // this thread watches the parent's broker
-  ASSERT_GE(services::watcher_count(), 1u);
-  pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
+  Broker broker;
+  Router router(broker, RouterOptions{.name = "root"});
+  services::install_watcher(broker);  // this (forking) thread watches the parent's broker
+  ASSERT_EQ(services::watched_brokers_of_this_thread(), 1u);
+  Context child = fork_child(router, [](ChildEnv& env) {
     // The map was reset: the forking thread's copy watches nothing here.
-    int rc = services::watcher_count() == 0 && services::watched_brokers_of_this_thread() == 0 ? 0 : 2;
-    if (rc == 0) {
-      Broker broker;
-      std::thread t([&] { services::install_watcher(broker); });
-      t.join();
-      // Its own watcher shut its own broker down.
-      auto until = std::chrono::steady_clock::now() + 20s;
-      while (broker.state() == Broker::State::kRunning && std::chrono::steady_clock::now() < until)
-        std::this_thread::sleep_for(1ms);
-      rc = broker.state() == Broker::State::kRunning ? 3 : 0;
-      broker.join();
-    }
-    ::_exit(rc);
-  }
-  int status = 0;
-  ASSERT_TRUE(eventually([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, 60s));
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << describe_wait_status(status);
-  EXPECT_EQ(parent_broker.state(), Broker::State::kRunning);  // the child did not touch it
-  parent_broker.shutdown();
-  parent_broker.join();
+    if (services::watcher_count() != 0 || services::watched_brokers_of_this_thread() != 0) return 2;
+    // A watcher of the child's own: its thread's exit shuts this child's
+    // broker down, which ends serve() without any word from the parent.
+    std::thread([&env] { services::install_watcher(env.broker()); }).join();
+    env.serve();
+    return 0;
+  }, named("watched"));
+  expect_exit_code(child, 0);
+  EXPECT_EQ(broker.state(), Broker::State::kRunning);  // the child did not touch it
+  broker.shutdown();
+  broker.join();
   // The broker forgot this thread once it shut down.
   EXPECT_EQ(services::watched_brokers_of_this_thread(), 0u);
 }
