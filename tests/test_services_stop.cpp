@@ -143,6 +143,37 @@ TEST(ServicesStop, BrokerShutdownStopsThePoolFirst) {
   EXPECT_EQ(shutdowns.load(), 1);
 }
 
+// The ordering a pool relies on: participants added first drain before the
+// others are told to begin.
+TEST(ServicesStop, BrokerTellsFirstParticipantsBeforeTheOthers) {
+  struct Recorder : ShutdownParticipant {
+    std::atomic<bool> begun{false};
+    void on_shutdown_begin() override { begun = true; }
+    void on_shutdown_deadline() override {}
+  };
+  Broker broker;
+  Recorder first, other;
+  broker.defer([&] {
+    broker.add_participant(&other);
+    broker.add_first_participant(&first);
+  });
+  broker.shutdown();
+  ASSERT_TRUE(eventually([&] { return first.begun.load(); }));
+  // Give the broker every chance to tell the other one too early.
+  for (int i = 0; i < 3; ++i) {
+    std::promise<void> turn;
+    broker.defer([&] { turn.set_value(); });
+    turn.get_future().wait();
+  }
+  EXPECT_FALSE(other.begun.load());
+  broker.defer([&] { broker.participant_drained(&first); });
+  ASSERT_TRUE(eventually([&] { return other.begun.load(); }));
+  EXPECT_NE(broker.state(), Broker::State::kStopped);
+  broker.defer([&] { broker.participant_drained(&other); });
+  broker.join();
+  EXPECT_EQ(broker.state(), Broker::State::kStopped);
+}
+
 TEST(ServicesSelect, WaitsOnSeveralReceiversAndWakesOneWaiter) {
   Broker broker;
   Router router(broker, RouterOptions{.name = "root"});
