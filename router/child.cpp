@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <system_error>
 
 #include <asio/posix/stream_descriptor.hpp>
@@ -96,7 +97,12 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
   // original from another thread.
   int watch_fd = ::fcntl(pidfd, F_DUPFD_CLOEXEC, 3);
   if (watch_fd < 0) log().warn("dup(pidfd) for ctx={}: {}; exit is reaped by wait_exit() only", id, errno_text(errno));
-  parent.broker().defer([&parent, read_fd, write_fd, id, name, proc, watch_fd] {
+  // Wait until the child is routed: a message sent right after we return
+  // could otherwise be routed by an outbox drain queued earlier, before the
+  // stream exists, and get "no route".
+  auto adopted = std::make_shared<std::promise<void>>();
+  auto routed = adopted->get_future();
+  parent.broker().defer([&parent, read_fd, write_fd, id, name, proc, watch_fd, adopted] {
     try {
       parent.add_child_stream(read_fd, write_fd, id, name);
     } catch (const std::exception& e) {
@@ -104,6 +110,7 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
       // it is still reaped below.
       log().error("cannot adopt child ctx={} ({}) pid={}: {}", id, name, proc->pid(), e.what());
     }
+    adopted->set_value();
     if (watch_fd < 0) return;
     auto watch = std::make_shared<asio::posix::stream_descriptor>(parent.broker().io(), watch_fd);
     watch->async_wait(asio::posix::descriptor_base::wait_read,
@@ -114,6 +121,7 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
                                      describe_wait_status(*st));
                       });
   });
+  routed.wait();
   return Context(parent, id, name, std::move(proc));
 }
 
