@@ -41,6 +41,11 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint32_t kNeverReply = 2400;
 constexpr std::uint32_t kSink = 2401;
 constexpr auto kHangGuard = 30s;
+#if defined(__SANITIZE_ADDRESS__)
+constexpr long kRssSlackKiB = (32 + 256) * 1024;
+#else
+constexpr long kRssSlackKiB = 32 * 1024;
+#endif
 
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
@@ -188,8 +193,10 @@ TEST_F(Faults, KillNineClientsMidHandshakeMidMessageMidCall) {
       << after.clients << " (baseline " << before.clients << ")";
   const long rss_after = vm_rss_kib(router_->pid());
   std::printf("router VmRSS %ld KiB before, %ld KiB after\n", rss_before, rss_after);
-  // 40 half-megabyte partial frames were buffered at some point; none may stay.
-  EXPECT_LT(rss_after, rss_before + 32 * 1024) << "router RSS grew by over 32 MiB";
+  // 40 half-megabyte partial frames were buffered at some point; none may
+  // stay. ASan keeps freed memory in its quarantine (256 MiB by default), so
+  // there the bound is the quarantine's size on top.
+  EXPECT_LT(rss_after, rss_before + kRssSlackKiB) << "router RSS grew by over the bound";
 }
 
 // SIGKILL the router: every client's pending calls fail with a reason, and
@@ -239,7 +246,16 @@ TEST_F(Faults, KillTheRouterFailsEveryPendingCallPromptly) {
 // RLIMIT_NOFILE 32 (hard and soft, so the router cannot raise it): clients
 // beyond what fits are refused with a logged reason; those inside keep working.
 TEST_F(Faults, LowFdLimitRefusesNewClientsAndKeepsTheOld) {
-  start_router({}, {"/usr/bin/prlimit", "--nofile=32:32"});
+  std::vector<std::string> wrapper{"/usr/bin/prlimit", "--nofile=32:32"};
+#if defined(__SANITIZE_ADDRESS__)
+  // UBSan's vptr check asks whether memory is readable by write()ing it to a
+  // pipe; in a process with no fd left, pipe() fails and sound objects are
+  // reported as "invalid vptr" ("memory cannot be printed"), which aborts
+  // (-fno-sanitize-recover). This router runs out of fds on purpose, so the
+  // check cannot run here; the plain and TSan runs cover this test.
+  GTEST_SKIP() << "UBSan's vptr check needs free fds; covered by the plain and TSan runs";
+#endif
+  start_router({}, wrapper);
   std::vector<std::unique_ptr<Connection>> in;
   int refused = 0;
   for (int i = 0; i < 40 && refused < 3; ++i) {
@@ -258,7 +274,13 @@ TEST_F(Faults, LowFdLimitRefusesNewClientsAndKeepsTheOld) {
   ASSERT_GT(refused, 0) << "RLIMIT_NOFILE 32 admitted 40 clients";
   EXPECT_TRUE(eventually([&] { return contains(router_->log(), "refusing new clients until fds are free"); }))
       << router_->log();
-  for (std::size_t i = 0; i < in.size(); ++i) expect_ping(*in[i], fmt::format("still here {}", i));
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    try {
+      expect_ping(*in[i], fmt::format("still here {}", i));
+    } catch (const Error& e) {
+      ADD_FAILURE() << "admitted client " << i << " lost: " << e.what() << "\n" << router_->log();
+    }
+  }
   // One leaves: a new client fits again.
   in.pop_back();
   EXPECT_TRUE(eventually([&] {
@@ -315,7 +337,8 @@ TEST_F(Faults, ConsumerThatStopsReadingHitsTheHighWaterMark) {
   const long rss_full = vm_rss_kib(router_->pid());
   std::printf("router VmRSS %ld KiB before, %ld KiB with the consumer's queue full (%s)\n",
               rss_before, rss_full, full_reason.c_str());
-  EXPECT_LT(rss_full, rss_before + 160 * 1024) << "router RSS over the mark plus 96 MiB of slack";
+  EXPECT_LT(rss_full, rss_before + 64 * 1024 + kRssSlackKiB + 64 * 1024)
+      << "router RSS over the mark plus the slack";
   // The consumer goes: everything queued for it fails with a reason.
   ::close(consumer.fd);
   consumer.fd = -1;
