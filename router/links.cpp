@@ -18,6 +18,11 @@
 #include "router/reasons.h"
 
 namespace spindle {
+namespace {
+// How many contexts one child link may announce with ADD_ROUTE: a bound on
+// the route table a misbehaving peer can grow (docs/PROTOCOL.md, 6.2).
+constexpr std::size_t kMaxRoutesPerLink = 65536;
+}  // namespace
 
 void Router::attach_parent(int read_fd, int write_fd) {
   if (broker_.on_broker_thread()) throw Error("attach_parent() would block the broker thread");
@@ -190,6 +195,19 @@ bool Router::handle_control(Link& in, Message& m) {
     if (*target == id() || (parent_ && *target == parent_->remote_id) || (cur && cur != &in)) {
       log().warn("stream={} refused ADD_ROUTE for context {}: already routed elsewhere",
                  in.stream->name(), *target);
+      return true;
+    }
+    // Only the root hands out ids: an id it has not allocated yet belongs to
+    // no context, and announcing it would claim a future client's id.
+    if (!parent_ && *target >= next_id_.load(std::memory_order_relaxed)) {
+      log().warn("stream={} refused ADD_ROUTE for context {}: no such context has been allocated",
+                 in.stream->name(), *target);
+      return true;
+    }
+    // Each route costs memory: a link may announce a bounded number.
+    if (!cur && in.behind.size() >= kMaxRoutesPerLink) {
+      log().warn("stream={} refused ADD_ROUTE for context {}: the link already routes {} contexts "
+                 "(limit {})", in.stream->name(), *target, in.behind.size(), kMaxRoutesPerLink);
       return true;
     }
     if (!cur) add_route(*target, in);

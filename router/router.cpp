@@ -231,7 +231,10 @@ void Router::on_stream_message(Stream& s, Message&& m) {
     }
   }
   if (in->client && in->client->trusted) m.header.auth_id = id();
-  in->egress.insert(m.header.dst_id);
+  // Only a context that exists can later be gone: recording any other id
+  // would let a peer grow this set without bound by writing to random ids.
+  if (m.header.dst_id == id() || routes_.count(m.header.dst_id) || parent_)
+    in->egress.insert(m.header.dst_id);
   // Output is corked until the stream's read batch ends (on_stream_batch_end).
   ++batch_depth_;
   if (m.header.dst_id == id()) {

@@ -14,6 +14,8 @@ PACKAGES=(
   googletest
   python3
   python3-mitogen   # the interop test runs stock Mitogen 0.3 against spindle-router
+  clang             # scripts/fuzz.sh: the fuzzers are built with clang's libFuzzer
+  libclang-rt-14-dev  # libFuzzer and clang's ASan/UBSan runtimes (libclang_rt.fuzzer*.a)
 )
 
 missing=()

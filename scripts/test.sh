@@ -3,7 +3,8 @@
 #   plain  RelWithDebInfo                      -> build-plain/
 #   asan   ASan + UBSan (-O1 -g, no benches)   -> build-asan/
 #   tsan   TSan         (-O1 -g, no benches)   -> build-tsan/
-# Choose flavours with SPINDLE_FLAVOURS (default "plain asan tsan"),
+#   fuzz   every libFuzzer target for 20 s     -> build-fuzz/ (scripts/fuzz.sh)
+# Choose flavours with SPINDLE_FLAVOURS (default "plain asan tsan fuzz"),
 # e.g. SPINDLE_FLAVOURS=plain bash scripts/test.sh
 # Stops at the first flavour that fails and exits non-zero.
 set -euo pipefail
@@ -12,7 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/setup.sh
 
-read -r -a FLAVOURS <<< "${SPINDLE_FLAVOURS:-plain asan tsan}"
+read -r -a FLAVOURS <<< "${SPINDLE_FLAVOURS:-plain asan tsan fuzz}"
 JOBS="${SPINDLE_JOBS:-2}"
 
 # Any sanitizer report must fail the test that produced it.
@@ -28,8 +29,8 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:die_after_fork=0:su
 
 for f in "${FLAVOURS[@]}"; do
   case "$f" in
-    plain|asan|tsan) ;;
-    *) echo "test: unknown flavour '$f' (expected plain, asan or tsan)" >&2
+    plain|asan|tsan|fuzz) ;;
+    *) echo "test: unknown flavour '$f' (expected plain, asan, tsan or fuzz)" >&2
        exit 2 ;;
   esac
 done
@@ -92,6 +93,12 @@ for flavour in "${FLAVOURS[@]}"; do
   status=0
   stage=""
 
+  if [[ "$flavour" == fuzz ]]; then
+    # Builds with clang and runs each target for a short fixed time; any
+    # crash, leak, hang or sanitizer report fails it (see scripts/fuzz.sh).
+    stage=fuzz
+    if bash scripts/fuzz.sh; then COUNTS[$flavour]="every target ran clean"; else status=1; fi
+  else
   stage=configure
   if cmake -S . -B "$builddir" "${args[@]}"; then
     stage=build
@@ -118,6 +125,7 @@ for flavour in "${FLAVOURS[@]}"; do
     fi
   else
     status=1
+  fi
   fi
 
   ELAPSED[$flavour]=$((SECONDS - start))

@@ -86,13 +86,17 @@ inline std::size_t count_open_fds(pid_t pid = 0) {
   return n;
 }
 
-// A real spindle-router process; stderr goes to <dir>/router.log.
+// A real spindle-router process; stderr goes to <dir>/router.log. `wrapper`
+// runs it through a program that execs it in place, e.g. {"prlimit",
+// "--nofile=32:32"}, so pid() is still the router's.
 class RouterProcess {
  public:
   RouterProcess(const std::string& binary, const std::string& socket,
-                std::vector<std::string> extra = {}, std::string log_path = {})
+                std::vector<std::string> extra = {}, std::string log_path = {},
+                std::vector<std::string> wrapper = {})
       : socket_(socket), log_path_(log_path.empty() ? socket + ".log" : std::move(log_path)) {
-    std::vector<std::string> args{binary, "--socket", socket};
+    std::vector<std::string> args = std::move(wrapper);
+    args.insert(args.end(), {binary, "--socket", socket});
     args.insert(args.end(), extra.begin(), extra.end());
     pid_ = spawn(args, log_path_);
   }

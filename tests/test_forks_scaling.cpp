@@ -9,43 +9,13 @@
 #include <gtest/gtest.h>
 
 #include "tests/forks_scaling.h"
+#include "tests/router_probe.h"
 
 namespace spindle {
 namespace {
 
 using namespace testutil;
 using namespace std::chrono_literals;
-
-// The router's open fds and clients, as its stats service reports them while
-// the probe itself is connected (so both include the probe's own socket).
-struct RouterCounts {
-  long fds = -1, clients = -1;
-  bool operator==(const RouterCounts&) const = default;
-};
-
-RouterCounts router_counts(const std::string& socket) {
-  RouterOptions ro;
-  ro.name = "stats-probe";
-  auto c = connect(socket, ro);
-  std::string text = services::call_text(c->router_context(), services::kStatsService,
-                                         services::kStatsMethod, {}, 30s);
-  auto field = [&](const char* key) {
-    auto at = text.find(key);
-    return at == std::string::npos ? -1L : std::atol(text.c_str() + at + std::strlen(key));
-  };
-  return {field(" fds="), field(" clients=")};
-}
-
-// Polls until `pred` holds, for at most `timeout`.
-template <typename Pred>
-bool eventually(Pred pred, std::chrono::milliseconds timeout = 30s) {
-  auto until = std::chrono::steady_clock::now() + timeout;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(20ms);
-  }
-  return true;
-}
 
 void scale(int workers, int silent = 0) {
   TempDir dir;

@@ -22,6 +22,7 @@
 #include "stream/frame.h"
 #include "stream/listener_handshake.h"
 #include "tests/listener_test_util.h"
+#include "tests/raw_peer.h"
 
 namespace spindle {
 namespace {
@@ -35,37 +36,6 @@ constexpr std::uint32_t kNeverReply = 2001;
 void serve_echo(Router& r) {
   r.add_handler(
       [&r](Message&& m) { r.reply(m, Payload::copy_of("echo:" + m.text())); }, {}, kEcho);
-}
-
-// A Mitogen client's handshake, by hand: returns its assigned id.
-std::uint32_t mitogen_hello(int fd, std::uint32_t pid, std::uint32_t* listener_id = nullptr,
-                            std::uint32_t* listener_pid = nullptr) {
-  std::uint8_t hello[4];
-  be::put32(hello, pid);
-  EXPECT_EQ(::write(fd, hello, 4), 4);
-  std::string reply = read_some(fd, kMitogenReplySize, 10s);
-  EXPECT_EQ(reply.size(), kMitogenReplySize);
-  if (reply.size() != kMitogenReplySize) return 0;
-  auto* p = reinterpret_cast<const std::uint8_t*>(reply.data());
-  if (listener_id) *listener_id = be::get32(p + 4);
-  if (listener_pid) *listener_pid = be::get32(p + 8);
-  return be::get32(p);
-}
-
-void write_frame(int fd, Header h, const std::string& body) {
-  h.length = static_cast<std::uint32_t>(body.size());
-  HeaderBytes hb = encode_header(h);
-  std::string out(reinterpret_cast<const char*>(hb.data()), hb.size());
-  out += body;
-  ASSERT_EQ(::write(fd, out.data(), out.size()), static_cast<ssize_t>(out.size()));
-}
-
-bool read_frame(int fd, Header* h, std::string* body) {
-  std::string head = read_some(fd, kHeaderSize, 10s);
-  if (head.size() != kHeaderSize) return false;
-  *h = decode_header(reinterpret_cast<const std::uint8_t*>(head.data()));
-  *body = read_some(fd, h->length, 10s);
-  return body->size() == h->length;
 }
 
 TEST(Listener, SpindleClientsGetIdsAndCallEachOtherById) {
@@ -150,35 +120,33 @@ TEST(Listener, MitogenClientHandshakeRoutingAndAuthority) {
         },
         {}, kEcho);
   });
-  int fd = r.raw_connect();
+  RawPeer peer = RawPeer::connect_to(r.address());
   std::uint32_t listener_id = 99, listener_pid = 0;
-  std::uint32_t id = mitogen_hello(fd, 4242, &listener_id, &listener_pid);
+  std::uint32_t id = peer.mitogen_handshake(4242, &listener_id, &listener_pid);
   EXPECT_NE(id, 0u);
   EXPECT_EQ(listener_id, 0u);
   EXPECT_EQ(listener_pid, static_cast<std::uint32_t>(::getpid()));
   Header h{kEncMitogen, a->id(), id, id, kEcho, 1234, 0};
-  write_frame(fd, h, "ping");
+  peer.send_frame(h, "ping");
   auto f = seen.get_future();
   ASSERT_EQ(f.wait_for(20s), std::future_status::ready);
   Header got = f.get();
   EXPECT_EQ(got.src_id, id);
   EXPECT_EQ(got.auth_id, 0u) << "a same-uid client's messages carry the router's auth_id";
-  Header rh;
-  std::string body;
-  ASSERT_TRUE(read_frame(fd, &rh, &body));
-  EXPECT_EQ(rh.enc, kEncMitogen);
-  EXPECT_EQ(rh.dst_id, id);
-  EXPECT_EQ(rh.src_id, a->id());
-  EXPECT_EQ(rh.handle, 1234u);
-  EXPECT_EQ(body, "pong");
-  ::close(fd);
+  Message reply;
+  ASSERT_TRUE(peer.read_frame(reply));
+  EXPECT_EQ(reply.header.enc, kEncMitogen);
+  EXPECT_EQ(reply.header.dst_id, id);
+  EXPECT_EQ(reply.header.src_id, a->id());
+  EXPECT_EQ(reply.header.handle, 1234u);
+  EXPECT_EQ(reply.text(), "pong");
 }
 
 TEST(Listener, SpindleEncodingIsNeverWrittenToAMitogenPeer) {
   InProcessRouter r;
   auto b = r.client();
-  int fd = r.raw_connect();
-  std::uint32_t id = mitogen_hello(fd, 4243);
+  RawPeer peer = RawPeer::connect_to(r.address());
+  std::uint32_t id = peer.mitogen_handshake(4243);
   try {
     b->context(id).call(kEcho, "spindle bytes", 20s);  // enc SR
     FAIL() << "an SR frame was accepted for a Mitogen peer";
@@ -187,13 +155,11 @@ TEST(Listener, SpindleEncodingIsNeverWrittenToAMitogenPeer) {
   }
   // The next frame the peer reads is the MI one sent after: the SR one never came.
   b->router().send(Message::make(id, 1500, Payload::copy_of("readable"), kEncMitogen));
-  Header h;
-  std::string body;
-  ASSERT_TRUE(read_frame(fd, &h, &body));
-  EXPECT_EQ(h.enc, kEncMitogen);
-  EXPECT_EQ(h.handle, 1500u);
-  EXPECT_EQ(body, "readable");
-  ::close(fd);
+  Message m;
+  ASSERT_TRUE(peer.read_frame(m));
+  EXPECT_EQ(m.header.enc, kEncMitogen);
+  EXPECT_EQ(m.header.handle, 1500u);
+  EXPECT_EQ(m.text(), "readable");
 }
 
 TEST(Listener, AFirstByteOfNeitherDialectIsRefusedAtOnce) {

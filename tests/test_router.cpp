@@ -26,6 +26,7 @@
 #include "router/child.h"
 #include "router/reasons.h"
 #include "router/router.h"
+#include "tests/raw_peer.h"
 #include "tests/router_test_util.h"
 #include "stream/frame.h"
 #include "stream/handshake.h"
@@ -253,142 +254,7 @@ TEST(RouterRules, SiblingCallsRouteThroughParentByDefault) {
   EXPECT_TRUE(out.starts_with("ok:pong from ")) << out;
 }
 
-// ------------------------------------------------------------ raw peer
-
-// The far end of a child stream, driven by hand from the test thread.
-class RawPeer {
- public:
-  RawPeer() {
-    int sv[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) throw std::runtime_error("socketpair");
-    router_end = sv[0];
-    fd = sv[1];
-  }
-  ~RawPeer() {
-    if (fd >= 0) ::close(fd);
-  }
-  void write_all(const void* p, std::size_t n) {
-    auto* c = static_cast<const std::uint8_t*>(p);
-    while (n > 0) {
-      ssize_t w = ::write(fd, c, n);
-      if (w < 0 && errno == EINTR) continue;
-      ASSERT_GT(w, 0) << "write: " << std::strerror(errno);
-      c += w;
-      n -= static_cast<std::size_t>(w);
-    }
-  }
-  // Reads exactly n bytes. Returns n on success, 0 on EOF before any byte,
-  // -1 on timeout/error/partial EOF.
-  long read_exact(void* p, std::size_t n, std::chrono::milliseconds timeout = 10s) {
-    auto* c = static_cast<std::uint8_t*>(p);
-    std::size_t got = 0;
-    auto deadline = Clock::now() + timeout;
-    while (got < n) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) return -1;
-      pollfd pf{fd, POLLIN, 0};
-      int pr = ::poll(&pf, 1, static_cast<int>(left.count()));
-      if (pr < 0 && errno == EINTR) continue;
-      if (pr <= 0) return -1;
-      ssize_t r = ::read(fd, c + got, n - got);
-      if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (r < 0 && errno == ECONNRESET) return got == 0 ? 0 : -1;
-      if (r < 0) return -1;
-      if (r == 0) return got == 0 ? 0 : -1;
-      got += static_cast<std::size_t>(r);
-    }
-    return static_cast<long>(n);
-  }
-  void send_frame(Header h, std::string_view payload) {
-    h.length = static_cast<std::uint32_t>(payload.size());
-    HeaderBytes hb = encode_header(h);
-    std::string buf(reinterpret_cast<const char*>(hb.data()), hb.size());
-    buf.append(payload);
-    write_all(buf.data(), buf.size());
-  }
-  // Reads one frame; false on EOF or timeout.
-  bool read_frame(Message& out, std::chrono::milliseconds timeout = 10s) {
-    std::uint8_t hb[kHeaderSize];
-    if (read_exact(hb, kHeaderSize, timeout) != static_cast<long>(kHeaderSize)) return false;
-    out.header = decode_header(hb);
-    std::string body(out.header.length, '\0');
-    if (out.header.length &&
-        read_exact(body.data(), body.size(), timeout) != static_cast<long>(body.size()))
-      return false;
-    out.data = Payload::copy_of(body);
-    return true;
-  }
-  // Completes the handshake; returns the id the router assigned.
-  std::uint32_t handshake() {
-    auto hello = encode_hello(kProtocolVersion, kFlagNone, static_cast<std::uint32_t>(::getpid()));
-    write_all(hello.data(), hello.size());
-    std::uint8_t w[kWelcomeSize];
-    if (read_exact(w, kWelcomeSize) != static_cast<long>(kWelcomeSize)) {
-      ADD_FAILURE() << "no welcome";
-      return 0;
-    }
-    EXPECT_EQ(std::memcmp(w, "SPDL", 4), 0);
-    auto u32 = [&](int off) {
-      return (std::uint32_t{w[off]} << 24) | (std::uint32_t{w[off + 1]} << 16) |
-             (std::uint32_t{w[off + 2]} << 8) | std::uint32_t{w[off + 3]};
-    };
-    server_id = u32(12);
-    return u32(8);
-  }
-  // Reads until EOF; true if EOF came within the timeout. Frames seen on the
-  // way are appended to `seen`.
-  bool wait_eof(std::vector<Message>* seen, std::chrono::milliseconds timeout = 10s) {
-    auto deadline = Clock::now() + timeout;
-    while (Clock::now() < deadline) {
-      Message m;
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      std::uint8_t hb[kHeaderSize];
-      long r = read_exact(hb, kHeaderSize, left);
-      if (r == 0) return true;
-      if (r < 0) return false;
-      m.header = decode_header(hb);
-      std::string body(m.header.length, '\0');
-      if (m.header.length && read_exact(body.data(), body.size(), left) != static_cast<long>(body.size()))
-        return false;
-      m.data = Payload::copy_of(body);
-      if (seen) seen->push_back(std::move(m));
-    }
-    return false;
-  }
-
-  // Says goodbye (EOF) and waits for the router to answer with its own EOF,
-  // so the router has no link left when it is destroyed.
-  bool goodbye(std::chrono::milliseconds timeout = 10s) {
-    ::shutdown(fd, SHUT_WR);
-    return wait_eof(nullptr, timeout);
-  }
-
-  int fd = -1;
-  int router_end = -1;  // handed to the router, which owns it
-  std::uint32_t server_id = 0xffffffff;
-};
-
-// Adds `peer`'s router end as child `id` on the broker thread.
-void attach_raw(Router& router, RawPeer& peer, std::uint32_t id) {
-  std::promise<void> done;
-  router.broker().defer([&] {
-    router.add_child_stream(peer.router_end, peer.router_end, id, "raw-peer");
-    done.set_value();
-  });
-  ASSERT_EQ(done.get_future().wait_for(10s), std::future_status::ready);
-}
-
-Header frame(std::uint32_t dst, std::uint32_t src, std::uint32_t auth, std::uint32_t handle,
-             std::uint32_t reply_to) {
-  Header h;
-  h.enc = kEncRaw;
-  h.dst_id = dst;
-  h.src_id = src;
-  h.auth_id = auth;
-  h.handle = handle;
-  h.reply_to = reply_to;
-  return h;
-}
+// ------------------------------------------------------------ raw peer (tests/raw_peer.h)
 
 TEST(RouterRawPeer, ForgedAuthOrSrcIsRefusedWithReversePath) {
   Broker broker;
@@ -400,7 +266,7 @@ TEST(RouterRawPeer, ForgedAuthOrSrcIsRefusedWithReversePath) {
   }, {}, kEcho);
   std::uint32_t n = router.allocate_id();
   RawPeer peer;
-  attach_raw(router, peer, n);
+  ASSERT_TRUE(attach_raw(router, peer, n));
   ASSERT_EQ(peer.handshake(), n);
   EXPECT_EQ(peer.server_id, 0u);
 
@@ -437,7 +303,7 @@ TEST(RouterRawPeer, HonestFrameToUnknownHandleGetsInvalidHandle) {
   Router router(broker, root_opts());
   std::uint32_t n = router.allocate_id();
   RawPeer peer;
-  attach_raw(router, peer, n);
+  ASSERT_TRUE(attach_raw(router, peer, n));
   ASSERT_EQ(peer.handshake(), n);
   peer.send_frame(frame(0, n, n, 4321, 77), "anyone?");
   Message d;
@@ -459,7 +325,7 @@ TEST(RouterRawPeer, ShutdownWithUnwritableChildLinkDoesNotCrash) {
     Broker broker;
     Router router(broker, root_opts());
     std::uint32_t n = router.allocate_id();
-    attach_raw(router, peer, n);
+    ASSERT_TRUE(attach_raw(router, peer, n));
     ASSERT_EQ(peer.handshake(), n);
     // Make sure the link is fully open on the router's side.
     peer.send_frame(frame(0, n, n, 4321, 77), "ping");
@@ -479,7 +345,7 @@ TEST(RouterRawPeer, BadMagicClosesStream) {
   std::promise<std::string> gone;
   router.on_disconnect(n, [&](const std::string& why) { gone.set_value(why); });
   RawPeer peer;
-  attach_raw(router, peer, n);
+  ASSERT_TRUE(attach_raw(router, peer, n));
   ASSERT_EQ(peer.handshake(), n);
   Header h = frame(0, n, n, kEcho, 55);
   h.enc = 0xBEEF;
@@ -497,7 +363,7 @@ TEST(RouterRawPeer, BadHelloMagicIsRefusedAndClosed) {
   Router router(broker, root_opts());
   std::uint32_t n = router.allocate_id();
   RawPeer peer;
-  attach_raw(router, peer, n);
+  ASSERT_TRUE(attach_raw(router, peer, n));
   const char bad[kHelloSize] = {'N', 'O', 'P', 'E', 0, 1, 0, 0, 0, 0, 0, 1};
   peer.write_all(bad, sizeof bad);
   std::uint8_t head[6];

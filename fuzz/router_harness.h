@@ -1,0 +1,118 @@
+// RouterHarness: a root Router in this process with two children on
+// socketpairs: the fuzzed peer (context 1) and a well-behaved sibling
+// (context 2). The root hosts an echo handler at kEcho and has a call
+// pending at the fuzzed peer, so replies and dead replies have something to
+// complete. Shared by fuzz_router (raw bytes) and fuzz_control (control
+// frames).
+//
+// finish() is where the invariants are checked, aborting (a fuzzer crash) if
+// any breaks:
+//   - the sibling is still served: its call to kEcho is answered;
+//   - after the fuzzed peer's EOF the router closes its link (no hang);
+//   - the call pending at the fuzzed peer completes once that link is gone;
+//   - the router shuts down cleanly.
+//
+// Thread safety: the fuzzer's thread drives it; the Router runs its own
+// broker thread. Ownership: owns the Broker, the Router and both peers.
+#pragma once
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <memory>
+#include <string>
+
+#include "broker/log.h"
+#include "router/router.h"
+#include "tests/raw_peer.h"
+
+namespace spindle::fuzz {
+
+inline constexpr std::uint32_t kFuzzedId = 1;
+inline constexpr std::uint32_t kSiblingId = 2;
+inline constexpr std::uint32_t kEcho = 1000;
+inline constexpr std::uint32_t kPeerHandle = 2000;  // where the root's pending call goes
+inline constexpr std::uint32_t kMaxMessage = 4096;  // small, so "too large" is reachable
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "router harness invariant broken: %s\n", what);
+  std::abort();
+}
+
+class RouterHarness {
+ public:
+  RouterHarness() {
+    static const bool quiet = [] {
+      log().set_level(spdlog::level::off);  // millions of warnings help nobody
+      return true;
+    }();
+    (void)quiet;
+    Broker::Options bo;
+    bo.shutdown_grace = std::chrono::milliseconds(2000);
+    broker_ = std::make_unique<Broker>(bo);
+    RouterOptions ro;
+    ro.name = "fuzz-root";
+    ro.max_message_size = kMaxMessage;
+    ro.high_water_mark = 64 * 1024;
+    router_ = std::make_unique<Router>(*broker_, ro);
+    Router& r = *router_;
+    r.add_handler([&r](Message&& m) { r.reply(m, Payload::copy_of("echo:" + m.text())); }, {}, kEcho);
+    if (!testutil::attach_raw(r, fuzzed_, kFuzzedId, "fuzzed") ||
+        !testutil::attach_raw(r, sibling_, kSiblingId, "sibling"))
+      fail("cannot attach the peers");
+    if (fuzzed_.handshake() != kFuzzedId || sibling_.handshake() != kSiblingId)
+      fail("handshake gave the wrong ids");
+    pending_ = r.request(Message::make(kFuzzedId, kPeerHandle, Payload::copy_of("pending")),
+                         std::chrono::seconds(60));
+    Message req;
+    if (!fuzzed_.read_frame_for(kFuzzedId, kPeerHandle, req)) fail("the pending call never arrived");
+    pending_handle_ = req.header.reply_to;
+  }
+
+  // The reply_to of the root's call pending at the fuzzed peer.
+  std::uint32_t pending_handle() const { return pending_handle_; }
+  testutil::RawPeer& fuzzed() { return fuzzed_; }
+
+  // Writes bytes as the fuzzed peer; false once the router has closed on it.
+  bool send(std::string_view bytes) {
+    try {
+      fuzzed_.write_all(bytes);
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  }
+
+  void finish() {
+    using namespace std::chrono_literals;
+    // The sibling is served whatever the fuzzed peer did.
+    sibling_.send_frame(testutil::frame(0, kSiblingId, kSiblingId, kEcho, 77), "still there?");
+    Message echo;
+    if (!sibling_.read_frame_for(kSiblingId, 77, echo, 30s) || echo.text() != "echo:still there?")
+      fail("the sibling was not served");
+    // EOF from the fuzzed peer: the router must close its link.
+    ::shutdown(fuzzed_.fd, SHUT_WR);
+    if (!fuzzed_.wait_eof(nullptr, 30s)) fail("the router never closed the fuzzed peer's link");
+    if (pending_.wait_for(30s) != std::future_status::ready)
+      fail("the call pending at the fuzzed peer never completed");
+    try {
+      pending_.get();
+    } catch (const std::exception&) {
+      // Failing with a reason is fine; so is a reply the fuzzer forged.
+    }
+    if (!sibling_.goodbye(30s)) fail("the router never closed the sibling's link");
+    router_.reset();
+    broker_.reset();
+  }
+
+ private:
+  testutil::RawPeer fuzzed_;
+  testutil::RawPeer sibling_;
+  std::unique_ptr<Broker> broker_;
+  std::unique_ptr<Router> router_;
+  std::future<Message> pending_;
+  std::uint32_t pending_handle_ = 0;
+};
+
+}  // namespace spindle::fuzz

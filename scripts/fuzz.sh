@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Build the libFuzzer targets (fuzz/fuzz_*.cpp, clang, ASan+UBSan) in
+# build-fuzz/ and run each from its seed corpus (fuzz/corpus/<target>/).
+#   scripts/fuzz.sh                  every target for 20 s (the CI run)
+#   scripts/fuzz.sh --long [SECONDS] every target for SECONDS (default 3600)
+#   scripts/fuzz.sh [...] TARGET...  only these targets (e.g. fuzz_parser)
+# New inputs go to build-fuzz/corpus/<target>/ (not into the repo); a crash
+# leaves its input in build-fuzz/artifacts/ and fails the run. Prints the exec
+# count each target reached (libFuzzer's final stats) and exits non-zero if
+# any target crashed, leaked, timed out or ran out of memory.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+seconds="${SPINDLE_FUZZ_SECONDS:-20}"
+if [[ "${1:-}" == "--long" ]]; then
+  shift
+  seconds=3600
+  if [[ "${1:-}" =~ ^[0-9]+$ ]]; then seconds="$1"; shift; fi
+fi
+
+bash scripts/setup.sh
+
+builddir=build-fuzz
+targets=("$@")
+if [[ ${#targets[@]} -eq 0 ]]; then
+  for src in fuzz/fuzz_*.cpp; do targets+=("$(basename "$src" .cpp)"); done
+fi
+
+cmake -S . -B "$builddir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DSPINDLE_BUILD_FUZZERS=ON \
+  -DBUILD_TESTING=OFF -DSPINDLE_BUILD_BENCH=OFF >/dev/null
+cmake --build "$builddir" -j"${SPINDLE_JOBS:-2}" --target "${targets[@]}"
+
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+
+declare -A EXECS=() STATUS=()
+failed=0
+for t in "${targets[@]}"; do
+  corpus="$builddir/corpus/$t"
+  mkdir -p "$corpus" "$builddir/artifacts"
+  log="$builddir/$t.log"
+  echo "fuzz: $t for ${seconds} s"
+  # -max_len bounds one input; -timeout flags a hang; -rss_limit_mb a blow-up.
+  if "$builddir/fuzz/$t" -max_total_time="$seconds" -max_len=4096 -timeout=60 \
+       -rss_limit_mb=2560 -print_final_stats=1 -artifact_prefix="$builddir/artifacts/$t-" \
+       "$corpus" "fuzz/corpus/$t" >"$log" 2>&1; then
+    STATUS[$t]=ok
+  else
+    STATUS[$t]=FAILED
+    failed=1
+    tail -n 60 "$log" >&2
+  fi
+  EXECS[$t]="$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo '?')"
+done
+
+echo
+echo "Fuzzing summary (${seconds} s each):"
+for t in "${targets[@]}"; do
+  printf '  %-16s %-7s %12s execs\n' "$t" "${STATUS[$t]}" "${EXECS[$t]}"
+done
+exit "$failed"
