@@ -136,8 +136,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::shared_ptr<Stream> add_client_stream(int fd, const std::string& name,
                                             std::unique_ptr<Handshake> handshake,
                                             ClientLinkOptions opts);
-  // Broker thread: client links, including those still handshaking.
-  std::size_t client_count() const { return clients_; }
+  // Client links, including those still handshaking (any thread; exact on
+  // the broker thread, a snapshot elsewhere).
+  std::size_t client_count() const { return clients_.load(std::memory_order_relaxed); }
   // Any thread except the broker's after it stopped: a snapshot of the clients.
   std::vector<ClientStats> client_stats();
 
@@ -221,7 +222,7 @@ class Router : public StreamListener, public ShutdownParticipant {
 
   // broker thread only
   std::unordered_map<Stream*, std::unique_ptr<Link>> links_;
-  std::size_t clients_ = 0;
+  std::atomic<std::size_t> clients_{0};
   std::unordered_map<std::uint32_t, Link*> routes_;
   Link* parent_ = nullptr;
   std::unordered_set<Stream*> dirty_;

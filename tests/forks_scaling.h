@@ -141,6 +141,8 @@ class Coordinator {
     r.add_handler([this](Message&& m) { on_hello(std::move(m)); }, {}, kHello);
     conn_.connect(UnixAddress::parse(o.socket));
   }
+  // The broker thread runs on_hello(): stop it before hellos_ goes away.
+  ~Coordinator() { conn_.close(); }
   std::uint32_t id() const { return conn_.id(); }
   Connection& connection() { return conn_; }
 
