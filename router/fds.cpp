@@ -27,10 +27,17 @@ namespace spindle {
 namespace {
 
 // Returned to the sender's peer when the last holder of the fds lets go.
-struct FdCharge {
-  std::shared_ptr<std::atomic<std::size_t>> counter;
-  std::size_t n;
-  ~FdCharge() { counter->fetch_sub(n, std::memory_order_relaxed); }
+class FdCharge {
+ public:
+  FdCharge(std::shared_ptr<std::atomic<std::size_t>> counter, std::size_t n)
+      : counter_(std::move(counter)), n_(n) {}
+  ~FdCharge() { counter_->fetch_sub(n_, std::memory_order_relaxed); }
+  FdCharge(const FdCharge&) = delete;
+  FdCharge& operator=(const FdCharge&) = delete;
+
+ private:
+  std::shared_ptr<std::atomic<std::size_t>> counter_;
+  std::size_t n_;
 };
 
 }  // namespace
@@ -67,7 +74,7 @@ bool Router::charge_fds(Link& in, Message& m) {
     send_dead(m, why);
     return false;
   }
-  m.fds = std::move(m.fds).with_charge(std::make_shared<FdCharge>(FdCharge{in.fds_in_flight, n}));
+  m.fds = std::move(m.fds).with_charge(std::make_shared<FdCharge>(in.fds_in_flight, n));
   return true;
 }
 

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -13,6 +14,7 @@
 #include <string_view>
 
 #include <gtest/gtest.h>
+#include <spdlog/sinks/base_sink.h>
 
 #include "router/child.h"
 #include "router/router.h"
@@ -69,6 +71,44 @@ class OffBrokerThreads {
  private:
   std::mutex mu_;
   std::vector<std::thread> threads_;
+};
+
+// Collects formatted log lines in memory.
+class CaptureSink final : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  bool wait_for_line(std::string_view needle, std::chrono::milliseconds timeout, std::string* line,
+                     spdlog::level::level_enum* level) {
+    std::unique_lock lk(mu_);
+    bool found = cv_.wait_for(lk, timeout, [&] {
+      for (std::size_t i = 0; i < lines_.size(); ++i)
+        if (lines_[i].find(needle) != std::string::npos) {
+          *line = lines_[i];
+          *level = levels_[i];
+          return true;
+        }
+      return false;
+    });
+    return found;
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t buf;
+    formatter_->format(msg, buf);
+    {
+      std::lock_guard lk(mu_);
+      lines_.emplace_back(buf.data(), buf.size());
+      levels_.push_back(msg.level);
+    }
+    cv_.notify_all();
+  }
+  void flush_() override {}
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::string> lines_;
+  std::vector<spdlog::level::level_enum> levels_;
 };
 
 }  // namespace spindle::testutil
