@@ -90,16 +90,20 @@ inline bool send_with_fds(int sock, std::span<const std::uint8_t> bytes, std::sp
 // The wire bytes of an SF frame: header, prefix, inline body.
 inline std::vector<std::uint8_t> sf_frame(std::uint32_t handle, std::uint16_t fd_count,
                                           const std::string& body, std::uint16_t flags = 0) {
-  auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, fd_count, flags});
-  std::vector<std::uint8_t> payload(prefix.begin(), prefix.end());
-  payload.insert(payload.end(), body.begin(), body.end());
   Header h;
   h.enc = kEncFds;
   h.dst_id = 1;
   h.src_id = 2;
   h.handle = handle;
   h.reply_to = 5000;
-  return frame_bytes(h, payload.data(), payload.size());
+  h.length = static_cast<std::uint32_t>(kFdPrefixSize + body.size());
+  HeaderBytes hb = encode_header(h);
+  auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, fd_count, flags});
+  std::vector<std::uint8_t> v(kHeaderSize + kFdPrefixSize + body.size());
+  std::memcpy(v.data(), hb.data(), kHeaderSize);
+  std::memcpy(v.data() + kHeaderSize, prefix.data(), kFdPrefixSize);
+  if (!body.empty()) std::memcpy(v.data() + kHeaderSize + kFdPrefixSize, body.data(), body.size());
+  return v;
 }
 
 // A Recorder that also keeps what the stream refused, and why.
