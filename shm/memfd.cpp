@@ -103,9 +103,10 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& 
   return std::make_shared<SealedMemfd>(std::move(fd), static_cast<std::size_t>(st.st_size));
 }
 
-Payload SealedMemfd::map() const {
+Payload SealedMemfd::map(bool populate) const {
   if (size_ == 0) return {};
-  void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_.get(), 0);
+  void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0),
+                      fd_.get(), 0);
   if (addr == MAP_FAILED) throw_errno("mmap(memfd, PROT_READ)");
   std::shared_ptr<const SealedMemfd> self = shared_from_this();
   auto owner = std::make_shared<Mapping>(addr, size_, self);
@@ -117,7 +118,7 @@ Payload SealedMemfd::map() const {
 
 PayloadBuffer::PayloadBuffer(std::size_t size) : fd_(new_memfd(size)), size_(size) {
   if (size == 0) return;
-  void* a = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
+  void* a = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_.get(), 0);
   if (a == MAP_FAILED) throw_errno("mmap(memfd, PROT_WRITE)");
   addr_ = static_cast<std::uint8_t*>(a);
 }
@@ -140,7 +141,8 @@ Payload PayloadBuffer::seal() && {
   spindle::seal(fd_.get());
   auto memfd = std::make_shared<SealedMemfd>(std::move(fd_), size_);
   size_ = 0;
-  return memfd->map();
+  // The producer has written its bytes; it rarely reads them back.
+  return memfd->map(false);
 }
 
 }  // namespace spindle
