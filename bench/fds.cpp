@@ -76,6 +76,16 @@ void row(const std::string& what, const std::string& spindle, const std::string&
 
 // ------------------------------------------------------------------ fds/s
 
+// A msghdr over one iovec with room for one fd of ancillary data.
+msghdr one_fd_msghdr(iovec& iov, char (&control)[CMSG_SPACE(sizeof(int))]) {
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof control;
+  return mh;
+}
+
 // The floor: one fd per sendmsg over a raw socketpair to a process that
 // receives and closes it.
 double raw_fds_per_second(std::size_t n) {
@@ -91,11 +101,7 @@ double raw_fds_per_second(std::size_t n) {
     while (got < n) {
       alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
       iovec iov{frame, sizeof frame};
-      msghdr mh{};
-      mh.msg_iov = &iov;
-      mh.msg_iovlen = 1;
-      mh.msg_control = control;
-      mh.msg_controllen = sizeof control;
+      msghdr mh = one_fd_msghdr(iov, control);
       ssize_t r = ::recvmsg(sv[1], &mh, MSG_CMSG_CLOEXEC | MSG_WAITALL);
       if (r <= 0) ::_exit(1);
       for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
@@ -113,11 +119,7 @@ double raw_fds_per_second(std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
     iovec iov{frame, sizeof frame};
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof control;
+    msghdr mh = one_fd_msghdr(iov, control);
     cmsghdr* c = CMSG_FIRSTHDR(&mh);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
@@ -212,7 +214,10 @@ struct BigRun {
   bool arrived_as_memfd = false;
 };
 
-BigRun spindle_big(std::size_t size, bool memfd) {
+enum class Path { kFabricMemfd, kHeapMemfd, kSocket };
+
+BigRun spindle_big(std::size_t size, Path path) {
+  const bool memfd = path != Path::kSocket;
   ::malloc_trim(0);
   BigRun run;
   spindle::Broker broker;
@@ -242,7 +247,7 @@ BigRun spindle_big(std::size_t size, bool memfd) {
   Payload payload;
   auto t0 = Clock::now();
   std::shared_ptr<spindle::Chunk> chunk;
-  if (memfd) {
+  if (path == Path::kFabricMemfd) {
     spindle::PayloadBuffer buf(size);  // the producer writes into fabric memory
     fill(buf.bytes().data(), size);
     payload = std::move(buf).seal();
@@ -291,15 +296,22 @@ double memcpy_s(std::size_t size, bool prefault) {
 void section_big(const Config& cfg) {
   const std::size_t size = cfg.big_size;
   const double gb = static_cast<double>(size) / 1e9, mib = static_cast<double>(size) / (1 << 20);
-  BigRun mfd = spindle_big(size, true);
-  BigRun sock = spindle_big(size, false);
+  BigRun mfd = spindle_big(size, Path::kFabricMemfd);
+  BigRun heap = spindle_big(size, Path::kHeapMemfd);
+  BigRun sock = spindle_big(size, Path::kSocket);
   double cpy_fresh = memcpy_s(size, false), cpy = memcpy_s(size, true);
-  if (!mfd.arrived_as_memfd) throw std::runtime_error("big: the memfd run arrived inline");
+  if (!mfd.arrived_as_memfd || !heap.arrived_as_memfd)
+    throw std::runtime_error("big: a memfd run arrived inline");
+  if (sock.arrived_as_memfd) throw std::runtime_error("big: the socket run arrived as a memfd");
+  const double heap_s = heap.to_handler_s + heap.read_s;
   const double mfd_s = mfd.to_handler_s + mfd.read_s, sock_s = sock.to_handler_s + sock.read_s;
   const double mfd_gbs = gb / mfd_s;
   row(fmt::format("{:.0f} MiB via memfd (fabric buffer), GB/s", mib), fmt::format("{:.2f} GB/s", mfd_gbs),
       fmt::format("{:.2f} GB/s", gb / cpy_fresh), fmt::format("{:.2f}x", cpy_fresh / mfd_s),
       fmt::format(">= {:.0f} GB/s", kMemfdTargetGBs), mfd_gbs >= kMemfdTargetGBs);
+  row(fmt::format("{:.0f} MiB heap payload via memfd (1 copy), GB/s", mib),
+      fmt::format("{:.2f} GB/s", gb / heap_s), fmt::format("{:.2f} GB/s", gb / cpy_fresh),
+      fmt::format("{:.2f}x", cpy_fresh / heap_s));
   row(fmt::format("{:.0f} MiB via socket, GB/s", mib), fmt::format("{:.2f} GB/s", gb / sock_s),
       fmt::format("{:.2f} GB/s", gb / cpy_fresh), fmt::format("{:.2f}x", cpy_fresh / sock_s));
   row(fmt::format("{:.0f} MiB memcpy, fresh / pre-faulted dst", mib), "",
@@ -315,7 +327,8 @@ void section_big(const Config& cfg) {
       "before {:.1f} MiB (memfd run) / {:.1f} MiB (socket run); floor column = memcpy into fresh memory",
       size, mfd.fill_s, sock.fill_s, gb / (mfd.fill_s + mfd_s), mfd.child_base_hwm / 1048576.0,
       sock.child_base_hwm / 1048576.0));
-  for (const auto& [name, r] : {std::pair<const char*, const BigRun&>{"memfd", mfd}, {"socket", sock}})
+  for (const auto& [name, r] : {std::pair<const char*, const BigRun&>{"memfd", mfd},
+                                {"heap->memfd", heap}, {"socket", sock}})
     g_notes.push_back(fmt::format("big {}: send -> handler {:.1f} ms, handler reads all {:.1f} ms, "
                                   "reply back (incl. the receiver dropping the payload) {:.1f} ms",
                                   name, r.to_handler_s * 1e3, r.read_s * 1e3,

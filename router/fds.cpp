@@ -90,11 +90,11 @@ bool Router::map_sealed_body(Message& m) {
 }
 
 void Router::on_stream_refused(Stream& s, Message&& m, const std::string& why) {
-  if (!Message::wants_dead_reply(m))
-    log().warn("stream={} message from context {} to context {} handle {} not delivered: {}", s.name(),
-               m.header.src_id, m.header.dst_id, m.header.handle, why);
   // A local sender's message refused on the way out, or a frame refused on
-  // arrival: either way the reply goes to its src_id, routed as usual.
+  // arrival: either way the reply goes to its src_id, routed as usual (and
+  // without reply_to, send_dead logs it).
+  log().debug("stream={} refused a message for context {} handle {}: {}", s.name(),
+              m.header.dst_id, m.header.handle, why);
   send_dead(m, why);
 }
 

@@ -281,7 +281,16 @@ void Stream::process_input() {
   while (state_ != StreamState::kClosed) {
     Message m;
     ParseResult r = parser_->next(m);
-    if (r.status == ParseStatus::kNeedMore) break;
+    if (r.status == ParseStatus::kNeedMore) {
+      if (orphan_fds()) {
+        ParseResult bad;
+        bad.status = ParseStatus::kInvalid;
+        bad.error = fmt::format("{} batch(es) of fds arrived without an SF frame to carry them",
+                                rx_fds_.size());
+        protocol_error(bad);
+      }
+      break;
+    }
     if (r.status == ParseStatus::kInvalid) {
       protocol_error(r);
       break;
@@ -292,6 +301,14 @@ void Stream::process_input() {
   }
   // Always, even after a close: the listener may have corked other streams.
   listener_->on_stream_batch_end(*this);
+}
+
+// Every complete frame has been parsed: a batch still waiting must belong to
+// the one partial frame left (its first byte came with the fds). More than
+// one, or one with nothing buffered, came with frames that were not SF: a
+// peer could otherwise pile fds up in this process.
+bool Stream::orphan_fds() const {
+  return rx_fds_.size() > 1 || (rx_fds_.size() == 1 && parser_->buffered() == 0);
 }
 
 void Stream::protocol_error(const ParseResult& r) {

@@ -178,6 +178,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void on_read(std::size_t n, bool filled);
   bool bind_fds(Message& m);  // false: refused or protocol error (already handled)
   void protocol_error(const ParseResult& r);
+  bool orphan_fds() const;
   void push_frame(Message&& m, std::size_t charged);
   void refuse(Message&& m, std::size_t charged, const std::string& reason);
   bool send_fd_frame_failed(int err);

@@ -21,6 +21,7 @@
 
 #include "stream/fd_frame.h"
 #include "stream/fds.h"
+#include "router/child.h"
 #include "tests/stream_test_util.h"
 
 namespace spindle::testutil {
@@ -104,6 +105,15 @@ inline std::vector<std::uint8_t> sf_frame(std::uint32_t handle, std::uint16_t fd
   std::memcpy(v.data() + kHeaderSize, prefix.data(), kFdPrefixSize);
   if (!body.empty()) std::memcpy(v.data() + kHeaderSize + kFdPrefixSize, body.data(), body.size());
   return v;
+}
+
+// tests/helpers/spawned_echo (echo on handle 3000) over stdin/stdout: a peer
+// whose transport cannot carry fds.
+inline Context spawn_echo_on_pipes(Router& router, const std::string& name) {
+  ChildOptions o;
+  o.name = name;
+  o.transport = ChildTransport::kStdio;
+  return spawn_child(router, SPINDLE_HELPER_DIR "/spawned_echo", {}, o);
 }
 
 // A Recorder that also keeps what the stream refused, and why.

@@ -187,6 +187,19 @@ TEST(FdsStream, SfFrameWhoseCountDisagreesWithItsFdsIsAProtocolError) {
   close_fd(sp.b);
 }
 
+TEST(FdsStream, FdsSentWithAFrameThatIsNotSfAreAProtocolError) {
+  FdRecorder rec;
+  StreamHarness h;
+  FdPair sp = make_socketpair();
+  h.make(sp.a, sp.a, &rec);
+  auto fds = pipe_fds(3);
+  std::vector<int> raw{fds[0].get(), fds[1].get(), fds[2].get()};
+  ASSERT_TRUE(send_with_fds(sp.b, frame_bytes(7, "not SF"), raw));
+  ASSERT_TRUE(rec.wait_closed());
+  EXPECT_TRUE(contains(rec.close_reason(), "arrived without an SF frame")) << rec.close_reason();
+  close_fd(sp.b);
+}
+
 TEST(FdsStream, PeerThatCannotTakeFdsGetsARefusalAndMemfdBodiesInline) {
   FdRecorder rec;
   StreamHarness h;
@@ -298,11 +311,7 @@ void take_handler(Router& r, Message&& m) {
 }
 
 TEST(FdsRouter, ReceiverOutOfFdsGivesTheSenderANamedDeadReplyAndLogs) {
-  auto sink = std::make_shared<CaptureSink>();
-  set_log_sinks({sink});
-  struct Restore {
-    ~Restore() { set_log_sinks({}); }
-  } restore;
+  ScopedLogCapture capture;
   Broker broker;
   Router router(broker, root_opts());
   Context c = fork_child(router, [](ChildEnv& env) {
@@ -338,7 +347,7 @@ TEST(FdsRouter, ReceiverOutOfFdsGivesTheSenderANamedDeadReplyAndLogs) {
   }
   std::string line;
   spdlog::level::level_enum level = spdlog::level::off;
-  ASSERT_TRUE(sink->wait_for_line("out of file descriptors", 15s, &line, &level))
+  ASSERT_TRUE(capture.sink().wait_for_line("out of file descriptors", 15s, &line, &level))
       << "the receiver did not log the lost fds";
   EXPECT_TRUE(contains(line, "fd-starved")) << line;
   EXPECT_EQ(level, spdlog::level::err) << line;
@@ -406,9 +415,7 @@ TEST(FdsRouter, PerPeerFdQuotaRefusesOverQuotaAndIsReleased) {
 TEST(FdsRouter, FdsToAPeerOnPipesAreRefusedWithANamedReason) {
   Broker broker;
   Router router(broker, root_opts());
-  ChildOptions o = named("stdio-peer");
-  o.transport = ChildTransport::kStdio;
-  Context c = spawn_child(router, SPINDLE_HELPER_DIR "/spawned_echo", {}, o);
+  Context c = spawn_echo_on_pipes(router, "stdio-peer");
   Message m = Message::make(c.id(), 3000, Payload::copy_of(std::string("with fds")));
   m.fds = FdSet(pipe_fds(2));
   try {

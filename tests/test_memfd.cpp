@@ -143,9 +143,7 @@ TEST(MemfdRouter, LargePayloadsTravelAsMemfdViewsBothWays) {
 TEST(MemfdRouter, PeerWithoutFdsGetsTheBytesInline) {
   Broker broker;
   Router router(broker, root_opts());
-  ChildOptions o = named("stdio-memfd");
-  o.transport = ChildTransport::kStdio;
-  Context c = spawn_child(router, SPINDLE_HELPER_DIR "/spawned_echo", {}, o);
+  Context c = spawn_echo_on_pipes(router, "stdio-memfd");
   Payload fabric = filled_buffer(3u << 20, 4);
   Payload back = c.call(kEcho, fabric, 20s);
   EXPECT_EQ(payload_bytes(back), pattern(3u << 20, 4));
