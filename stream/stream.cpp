@@ -347,14 +347,15 @@ bool Stream::bind_fds(Message& m) {
   if (batch.truncated) {
     // The bytes are intact, only this frame's fds are lost: refuse the
     // message, keep the connection (docs/PROTOCOL.md §13.4).
+    const std::size_t arrived = std::min<std::size_t>(batch.fds.size(), prefix->fd_count);
+    batch.fds.clear();  // give the slots back before anything else needs one
     std::string why = fmt::format("{}: {} of {} fds lost (MSG_CTRUNC) at context {} on stream {}",
-                                  fdreason::kFdsLost, prefix->fd_count - std::min<std::size_t>(
-                                      batch.fds.size(), prefix->fd_count),
-                                  prefix->fd_count, peer_.local_id, name());
+                                  fdreason::kFdsLost, prefix->fd_count - arrived, prefix->fd_count,
+                                  peer_.local_id, name());
     log().error("stream={} {}; message from context {} handle {} refused", name(), why,
                 m.header.src_id, m.header.handle);
     listener_->on_stream_refused(*this, std::move(m), why);
-    return false;  // batch.fds close here
+    return false;
   }
   if (batch.fds.size() != prefix->fd_count) {
     bad.error = fmt::format("SF frame declares {} fds but {} arrived with it", prefix->fd_count,

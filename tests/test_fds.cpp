@@ -260,10 +260,12 @@ TEST(FdsSend, TooManyRefsIsReportedToTheSender) {
         made.set_value();
       });
       made.get_future().wait();
+      // The fds to pass sit at 100 and up; the limit (30) leaves the low
+      // numbers free, so only the fds in flight exceed it.
       std::vector<UniqueFd> many;
-      for (int i = 0; i < 40; ++i) many.push_back(dup_fd(sv[1]));
-      UniqueFd spare = dup_fd(sv[1]);
-      rlimit lim{8, 8};
+      for (int i = 0; i < 40; ++i) many.emplace_back(::fcntl(sv[1], F_DUPFD_CLOEXEC, 100));
+      UniqueFd spare(::fcntl(sv[1], F_DUPFD_CLOEXEC, 100));
+      rlimit lim{30, 30};
       ::setrlimit(RLIMIT_NOFILE, &lim);
       broker.defer([&] {
         s->enqueue(with_fds(1, "first", std::move(many)), 0);
@@ -325,6 +327,10 @@ TEST(FdsRouter, ReceiverOutOfFdsGivesTheSenderANamedDeadReplyAndLogs) {
         if (!f) break;
         fillers->push_back(std::move(f));
       }
+      // Exactly two slots left: of three fds sent, the kernel installs two
+      // and drops one. (Sanitizer runtimes also need a free fd now and then.)
+      fillers->pop_back();
+      fillers->pop_back();
       r.reply(m, Payload::copy_of(std::string("full")));
     }, {}, kFill);
     r.add_handler([&r, fillers](Message&& m) {
@@ -343,7 +349,7 @@ TEST(FdsRouter, ReceiverOutOfFdsGivesTheSenderANamedDeadReplyAndLogs) {
     ADD_FAILURE() << "a message whose fds were dropped was delivered";
   } catch (const ChannelError& e) {
     EXPECT_TRUE(contains(e.what(), reason::kFdsLost)) << e.what();
-    EXPECT_TRUE(contains(e.what(), "3 of 3 fds lost")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "1 of 3 fds lost")) << e.what();
   }
   std::string line;
   spdlog::level::level_enum level = spdlog::level::off;
