@@ -173,31 +173,34 @@ TEST(FdsStream, MoreThan253FdsIsAClearError) {
   }
 }
 
-TEST(FdsStream, SfFrameWhoseCountDisagreesWithItsFdsIsAProtocolError) {
+// A raw peer sends `bytes` with `nfds` fds in one sendmsg; returns why the
+// stream closed (empty if it did not) and how many messages it delivered.
+std::pair<std::string, std::size_t> close_reason_for(const std::vector<std::uint8_t>& bytes,
+                                                     std::size_t nfds) {
   FdRecorder rec;
   StreamHarness h;
   FdPair sp = make_socketpair();
   h.make(sp.a, sp.a, &rec);
-  auto fds = pipe_fds(1);
-  std::vector<int> raw{fds[0].get()};
-  ASSERT_TRUE(send_with_fds(sp.b, sf_frame(2, 2, "liar"), raw));
-  ASSERT_TRUE(rec.wait_closed());
-  EXPECT_TRUE(contains(rec.close_reason(), "declares 2 fds but 1 arrived")) << rec.close_reason();
-  EXPECT_EQ(rec.message_count(), 0u);
+  auto fds = pipe_fds(nfds);
+  std::vector<int> raw;
+  for (const UniqueFd& f : fds) raw.push_back(f.get());
+  EXPECT_TRUE(send_with_fds(sp.b, bytes, raw));
+  bool closed = rec.wait_closed();
+  h.teardown();
   close_fd(sp.b);
+  return {closed ? rec.close_reason() : std::string(), rec.message_count()};
+}
+
+TEST(FdsStream, SfFrameWhoseCountDisagreesWithItsFdsIsAProtocolError) {
+  auto [why, delivered] = close_reason_for(sf_frame(2, 2, "liar"), 1);
+  EXPECT_TRUE(contains(why, "declares 2 fds but 1 arrived")) << why;
+  EXPECT_EQ(delivered, 0u);
 }
 
 TEST(FdsStream, FdsSentWithAFrameThatIsNotSfAreAProtocolError) {
-  FdRecorder rec;
-  StreamHarness h;
-  FdPair sp = make_socketpair();
-  h.make(sp.a, sp.a, &rec);
-  auto fds = pipe_fds(3);
-  std::vector<int> raw{fds[0].get(), fds[1].get(), fds[2].get()};
-  ASSERT_TRUE(send_with_fds(sp.b, frame_bytes(7, "not SF"), raw));
-  ASSERT_TRUE(rec.wait_closed());
-  EXPECT_TRUE(contains(rec.close_reason(), "arrived without an SF frame")) << rec.close_reason();
-  close_fd(sp.b);
+  auto [why, delivered] = close_reason_for(frame_bytes(7, "not SF"), 3);
+  EXPECT_TRUE(contains(why, "arrived without an SF frame")) << why;
+  EXPECT_EQ(delivered, 1u) << "the frame itself is complete and delivered first";
 }
 
 TEST(FdsStream, PeerThatCannotTakeFdsGetsARefusalAndMemfdBodiesInline) {
