@@ -679,6 +679,7 @@ BigRun spindle_big(const Config& cfg, std::shared_ptr<spindle::Chunk>& chunk_out
   ro.name = "bench";
   ro.max_message_size = static_cast<std::uint32_t>(
       std::max<std::uint64_t>(spindle::kDefaultMaxMessageSize, size + (1u << 20)));
+  ro.memfd_threshold = SIZE_MAX;  // this row is the socket path; bench_fds measures memfd
   spindle::Router router(broker, ro);
   spindle::ChildOptions co;
   co.name = "big-receiver";

@@ -5,6 +5,8 @@
 
 #include <string_view>
 
+#include "stream/fd_frame.h"
+
 namespace spindle::reason {
 
 inline constexpr std::string_view kNoRoute = "no route to context";
@@ -18,5 +20,12 @@ inline constexpr std::string_view kReversePath = "reverse-path check failed";
 inline constexpr std::string_view kUnidirectional = "refused: unidirectional routing forbids reaching a sibling";
 inline constexpr std::string_view kQueueFull = "output queue full";
 inline constexpr std::string_view kUndecodable = "the receiver cannot decode this encoding";
+// File descriptors (docs/PROTOCOL.md §13); the stream names the first five.
+inline constexpr std::string_view kFdsLost = fdreason::kFdsLost;
+inline constexpr std::string_view kFdsUnsupported = fdreason::kFdsUnsupported;
+inline constexpr std::string_view kTooManyFds = fdreason::kTooManyFds;
+inline constexpr std::string_view kFdSendFailed = fdreason::kSendFailed;
+inline constexpr std::string_view kBadMemfd = fdreason::kBadMemfd;
+inline constexpr std::string_view kFdQuota = "fd quota exceeded";
 
 }  // namespace spindle::reason

@@ -92,6 +92,7 @@ void Router::send_impl(Message msg, std::chrono::milliseconds timeout,
     throw Error(fmt::format("{}: {} bytes exceeds the maximum of {}", reason::kTooLarge, size,
                             opts_.max_message_size));
   if (broker_.state() == Broker::State::kStopped) throw ShutdownError(std::string(errtext::kBrokerShutDown));
+  prepare_fds_for_send(msg);
   msg.header.src_id = msg.header.auth_id = id();
   msg.header.length = static_cast<std::uint32_t>(size);
   const std::uint32_t dst = msg.header.dst_id;
@@ -302,6 +303,7 @@ void Router::forward(Link& in, Message&& m) {
     return send_dead(m, fmt::format("{}: {} bytes exceeds the maximum of {} towards context {}",
                                     reason::kTooLarge, m.data.size(),
                                     out->stream->max_message_size(), dst));
+  if (!charge_fds(in, m)) return;
   const std::size_t charge = kHeaderSize + m.data.size();
   if (!out->stream->gauge().try_acquire(charge))
     return send_dead(m, fmt::format("{}: context {} has {} bytes queued (high-water mark {})",
@@ -366,6 +368,7 @@ void Router::send_dead(const Message& about, std::string why) {
 }
 
 void Router::dispatch_local(Message&& m) {
+  if (m.sealed_body && !map_sealed_body(m)) return;
   ++stats_.delivered_locally;
   // Keep each handle's order: once a handle has messages held, later ones for
   // it queue behind them even if its handler has been registered since.

@@ -47,6 +47,11 @@ struct RouterOptions {
   std::size_t high_water_mark = kDefaultHighWaterMark;
   std::chrono::milliseconds handshake_timeout{10000};
   bool unidirectional = false;  // children may not reach their siblings
+  // fds (a memfd body counts as one) that one peer may have in flight through
+  // this router, queued towards other peers; over it: dead reply (router/fds.cpp).
+  std::size_t fd_quota = 1024;
+  // Payloads of at least this many bytes travel as a sealed memfd (shm/memfd.h).
+  std::size_t memfd_threshold = 1u << 20;
 };
 
 enum class StreamRole { kParent, kChild };
@@ -147,6 +152,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void on_stream_message(Stream& s, Message&& m) override;
   void on_stream_batch_end(Stream& s) override;
   void on_stream_invalid(Stream& s, const ParseResult& r) override;
+  void on_stream_refused(Stream& s, Message&& m, const std::string& reason) override;  // fds.cpp
   void on_stream_closed(Stream& s, const std::string& reason, std::vector<Message> unsent) override;
   // ShutdownParticipant (broker thread)
   void on_shutdown_begin() override;
@@ -162,6 +168,9 @@ class Router : public StreamListener, public ShutdownParticipant {
     std::unordered_set<std::uint32_t> egress;   // contexts this link sent to
     std::optional<ClientLinkOptions> client;    // set for a listener's clients
     Dialect dialect = Dialect::kSpindle;        // known once the handshake is done
+    // fds this peer has in flight through us (released as they are written).
+    std::shared_ptr<std::atomic<std::size_t>> fds_in_flight =
+        std::make_shared<std::atomic<std::size_t>>(0);
   };
   // A pending call's deadline; expire() fails it with TimeoutError.
   struct CallDeadline {
@@ -212,6 +221,11 @@ class Router : public StreamListener, public ShutdownParticipant {
   void client_opened(Link& l);
   std::shared_ptr<OutputGauge> gauge_for(std::uint32_t dst);
   void fail_handlers(std::vector<HandlerPtr> hs, const std::string& reason);
+  // fds.cpp: a sender's fds and large payloads (any thread), the per-peer fd
+  // quota when forwarding, and mapping a memfd body before local delivery.
+  void prepare_fds_for_send(Message& msg);
+  bool charge_fds(Link& in, Message& m);
+  bool map_sealed_body(Message& m);
 
   Broker& broker_;
   RouterOptions opts_;

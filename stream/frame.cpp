@@ -12,6 +12,7 @@ bool is_known_enc(std::uint16_t enc) {
     case kEncMitogenRaw:
     case kEncRaw:
     case kEncCallError:
+    case kEncFds:
       return true;
     default:
       return false;
@@ -25,6 +26,7 @@ std::string_view enc_name(std::uint16_t enc) {
     case kEncMitogenRaw: return "MK";
     case kEncRaw: return "SR";
     case kEncCallError: return "SE";
+    case kEncFds: return "SF";
     default: return "unknown";
   }
 }

@@ -29,6 +29,7 @@ enum Enc : std::uint16_t {
   kEncMitogenRaw = 0x4d4b,      // "MK": newer Mitogen, raw binary (routed opaquely)
   kEncRaw = 0x5352,             // "SR": Spindle, opaque application bytes
   kEncCallError = 0x5345,       // "SE": Spindle, CallError: type NUL message (UTF-8)
+  kEncFds = 0x5346,             // "SF": Spindle, carries fds: 8-byte prefix, then the body (§13)
 };
 
 bool is_known_enc(std::uint16_t enc);

@@ -50,7 +50,7 @@ std::vector<std::uint8_t> encode_refusal(const std::string& reason) {
 }
 
 std::vector<std::uint8_t> ClientHandshake::greeting() {
-  return encode_hello(kProtocolVersion, flags_, pid_);
+  return encode_hello(kProtocolVersion, flags_ | offered_flags_, pid_);
 }
 
 HandshakeResult ClientHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>&) {
@@ -134,7 +134,7 @@ HandshakeResult ServerHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>
   peer_.remote_id = std::get<std::uint32_t>(a);
   peer_.local_id = own_id_;
   peer_.max_message_size = max_message_size_;
-  append(reply, encode_welcome(kFlagNone, peer_.remote_id, own_id_, own_pid_, max_message_size_));
+  append(reply, encode_welcome(offered_flags_, peer_.remote_id, own_id_, own_pid_, max_message_size_));
   r.status = HandshakeStatus::kComplete;
   return r;
 }

@@ -36,6 +36,7 @@ inline constexpr std::size_t kMaxRefusalReason = 1024;
 
 enum HandshakeFlag : std::uint16_t {
   kFlagNone = 0,
+  kFlagFdPassing = 1,  // this side takes fds (SCM_RIGHTS); only on a UNIX socket
 };
 
 // Which protocol the peer speaks. A Mitogen peer exchanges 26-byte frames
@@ -70,9 +71,13 @@ class Handshake {
   // (sent even when the result is kInvalid: a refusal explains itself).
   virtual HandshakeResult consume(RxBuffer& rx, std::vector<std::uint8_t>& reply) = 0;
   const PeerInfo& peer() const { return peer_; }
+  // Adds flags this side announces (hello or welcome); the stream offers
+  // kFlagFdPassing on a socket transport.
+  void offer_flags(std::uint16_t flags) { offered_flags_ |= flags; }
 
  protected:
   PeerInfo peer_;
+  std::uint16_t offered_flags_ = kFlagNone;
 };
 
 // The connecting side.

@@ -34,6 +34,7 @@ HandshakeResult ListenerHandshake::consume(RxBuffer& rx, std::vector<std::uint8_
     rx.peek(&first, 1);
     if (first == 'S') {
       spindle_ = std::make_unique<ServerHandshake>(own_id_, own_pid_, max_message_size_, assign_);
+      spindle_->offer_flags(offered_flags_);  // e.g. fd passing, offered by the Stream
     } else if (first == 0x00) {
       mitogen_ = true;
     } else {

@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 
+#include "stream/fds.h"
 #include "stream/frame.h"
 #include "stream/payload.h"
 
@@ -18,6 +19,13 @@ namespace spindle {
 struct Message {
   Header header;
   Payload data;
+  // File descriptors passed with the message (at most kMaxFdsPerMessage),
+  // closed when the last copy of the message goes. See docs/PROTOCOL.md §13.
+  FdSet fds{};
+  // In transit only: a body that arrived as a sealed memfd and has not been
+  // mapped (a router forwards it as an fd). `data` is empty meanwhile; the
+  // router maps it before a local handler sees the message.
+  std::shared_ptr<const SealedMemfd> sealed_body{};
 
   bool is_dead() const { return header.is_dead(); }
   bool is_call_error() const { return header.enc == kEncCallError; }

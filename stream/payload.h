@@ -20,6 +20,8 @@
 
 namespace spindle {
 
+class SealedMemfd;  // shm/memfd.h
+
 // A heap buffer of fixed capacity. Not zero-filled: every byte handed out has
 // been written by a read() or a copy first.
 class Chunk {
@@ -66,10 +68,17 @@ class Payload {
   // The bytes without a copy, when they already sit in one slice.
   std::span<const std::uint8_t> contiguous() const;
 
+  // Set when the bytes are a mapping of exactly this sealed memfd (a fabric
+  // PayloadBuffer, or a memfd body received): a stream to a peer that takes
+  // fds then passes the fd instead of the bytes.
+  const std::shared_ptr<const SealedMemfd>& memfd() const { return memfd_; }
+  void set_memfd(std::shared_ptr<const SealedMemfd> m) { memfd_ = std::move(m); }
+
  private:
   // Most payloads are one or two slices: keep those inline, no allocation.
   boost::container::small_vector<Slice, 2> slices_;
   std::size_t size_ = 0;
+  std::shared_ptr<const SealedMemfd> memfd_;
 };
 
 }  // namespace spindle

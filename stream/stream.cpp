@@ -1,8 +1,14 @@
-// Reads: async_read_some straight into the parser's read target (a receive
-// chunk or a large message's own body buffer), one read per broker turn so one
-// busy peer cannot starve the others. Writes: the stream does its own
-// non-blocking writev()/sendmsg() of many frames and waits for writability
-// only when the socket is full.
+// Reads: the stream's own non-blocking recvmsg() (read() on a pipe) straight
+// into the parser's read target (a receive chunk or a large message's own
+// body buffer), one read per broker turn so one busy peer cannot starve the
+// others. recvmsg rather than Asio's async_read_some because fds arrive as
+// ancillary data (MSG_CMSG_CLOEXEC, MSG_CTRUNC checked on every call). After
+// a read that filled its target the next one is posted (more is likely
+// waiting); after a short read the stream waits for readability. Writes: the
+// stream does its own non-blocking writev()/sendmsg() of many frames and
+// waits for writability only when the socket is full; an SF frame starts its
+// own sendmsg and carries its fds as SCM_RIGHTS. The fd-specific steps
+// (receiving and binding fds, framing and refusing) are in stream_fds.cpp.
 #include "stream/stream.h"
 
 #include <fcntl.h>
@@ -16,6 +22,9 @@
 #include <climits>
 #include <cstring>
 #include <system_error>
+
+#include <asio/post.hpp>
+#include <fmt/format.h>
 
 #include "broker/errors.h"
 #include "broker/log.h"
@@ -68,6 +77,11 @@ std::string failure(const char* what, int err) {
 
 }  // namespace
 
+void StreamListener::on_stream_refused(Stream& s, Message&& m, const std::string& reason) {
+  log().warn("stream={} message to context {} handle {} not delivered: {}", s.name(),
+             m.header.dst_id, m.header.handle, reason);
+}
+
 const char* to_string(StreamState s) {
   switch (s) {
     case StreamState::kHandshaking: return "handshaking";
@@ -103,6 +117,14 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
   }
   is_socket_ = fd_is_socket(write_fd);
   if (is_socket_) enlarge_socket_buffers(write_fd, opts_.name);
+  had_handshake_ = handshake_ != nullptr;
+  // fds travel only over one socket carrying both directions.
+  if (handshake_ && is_socket_ && write_fd == read_fd) handshake_->offer_flags(kFlagFdPassing);
+}
+
+bool Stream::peer_takes_fds() const {
+  if (!is_socket_ || wr_) return false;
+  return !had_handshake_ || (peer_.flags & kFlagFdPassing) != 0;
 }
 
 Stream::~Stream() {
@@ -129,25 +151,37 @@ void Stream::start() {
   arm_read();
 }
 
-// async_read_some rather than async_wait: Asio tries the read at once and,
-// on EAGAIN, parks it without touching epoll. async_wait(wait_read) issues an
-// epoll_ctl(MOD) on every wait, one extra syscall per wake-up.
+// Waits for readability, then reads. async_wait costs an epoll_ctl(MOD), so
+// it is used only when the last read came up short (the socket is probably
+// empty); after a full read the next read is posted instead.
 void Stream::arm_read() {
   if (read_armed_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
   read_armed_ = true;
+  rd_.async_wait(asio::posix::descriptor_base::wait_read,
+                 [self = shared_from_this()](const std::error_code& ec) {
+                   self->read_armed_ = false;
+                   if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed)
+                     return;
+                   if (ec) return self->close(failure("wait for input", ec.value()));
+                   self->do_read();
+                 });
+}
+
+void Stream::do_read() {
+  if (state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
   std::span<std::uint8_t> target = parser_ ? parser_->read_target() : rx_.write_space();
-  rd_.async_read_some(asio::buffer(target.data(), target.size()),
-                      [self = shared_from_this()](const std::error_code& ec, std::size_t n) {
-                        self->read_armed_ = false;
-                        if (ec == asio::error::operation_aborted ||
-                            self->state_ == StreamState::kClosed)
-                          return;
-                        if (ec == asio::error::eof) return self->on_eof();
-                        if (ec == asio::error::connection_reset)
-                          return self->close("connection reset by peer");
-                        if (ec) return self->close(failure("read", ec.value()));
-                        self->on_read(n);
-                      });
+  ssize_t n;
+  do {
+    n = read_once(target);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    int err = errno;
+    if (err == EAGAIN || err == EWOULDBLOCK) return arm_read();
+    if (err == ECONNRESET) return close("connection reset by peer");
+    return close(failure("read", err));
+  }
+  if (n == 0) return on_eof();
+  on_read(static_cast<std::size_t>(n), static_cast<std::size_t>(n) == target.size());
 }
 
 void Stream::arm_write() {
@@ -164,12 +198,20 @@ void Stream::arm_write() {
                       });
 }
 
-void Stream::on_read(std::size_t n) {
+void Stream::on_read(std::size_t n, bool filled) {
   if (parser_) parser_->commit(n);
   else rx_.commit(n);
   stats_.bytes_in += n;
   process_input();
-  arm_read();  // one read per turn keeps the broker fair between streams
+  if (!filled) return arm_read();
+  if (read_armed_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  // One read per turn keeps the broker fair between streams: the next read
+  // queues behind the other ready handlers.
+  read_armed_ = true;
+  asio::post(broker_.io(), [self = shared_from_this()] {
+    self->read_armed_ = false;
+    self->do_read();
+  });
 }
 
 bool Stream::run_handshake() {
@@ -190,8 +232,10 @@ bool Stream::run_handshake() {
   handshake_timer_.cancel();
   state_ = drain_started_here_ ? StreamState::kDraining : StreamState::kOpen;
   parser_.emplace(rx_, opts_.max_message_size);
-  for (OutFrame& f : held_) txq_.push_back(std::move(f));
-  held_.clear();
+  // Framed only now: whether fds may go depends on what the peer announced.
+  std::deque<HeldMessage> held;
+  held.swap(held_);
+  for (HeldMessage& h : held) push_frame(std::move(h.msg), h.charged);
   flush();
   listener_->on_stream_open(*this);
   return state_ != StreamState::kClosed;
@@ -203,21 +247,35 @@ void Stream::process_input() {
   while (state_ != StreamState::kClosed) {
     Message m;
     ParseResult r = parser_->next(m);
-    if (r.status == ParseStatus::kNeedMore) break;
-    if (r.status == ParseStatus::kInvalid) {
-      log().warn("stream={} protocol error: {}; disconnecting", name(), r.error);
-      listener_->on_stream_invalid(*this, r);
-      close_reason_ = "protocol error: " + r.error;
-      close_after_flush_ = true;
-      flush();
-      if (state_ != StreamState::kClosed && txq_.empty()) close(close_reason_);
+    if (r.status == ParseStatus::kNeedMore) {
+      if (orphan_fds()) {
+        ParseResult bad;
+        bad.status = ParseStatus::kInvalid;
+        bad.error = fmt::format("{} batch(es) of fds arrived without an SF frame to carry them",
+                                rx_fds_.size());
+        protocol_error(bad);
+      }
       break;
     }
+    if (r.status == ParseStatus::kInvalid) {
+      protocol_error(r);
+      break;
+    }
+    if (m.header.enc == kEncFds && !bind_fds(m)) continue;
     ++stats_.messages_in;
     listener_->on_stream_message(*this, std::move(m));
   }
   // Always, even after a close: the listener may have corked other streams.
   listener_->on_stream_batch_end(*this);
+}
+
+void Stream::protocol_error(const ParseResult& r) {
+  log().warn("stream={} protocol error: {}; disconnecting", name(), r.error);
+  listener_->on_stream_invalid(*this, r);
+  close_reason_ = "protocol error: " + r.error;
+  close_after_flush_ = true;
+  flush();
+  if (state_ != StreamState::kClosed && txq_.empty()) close(close_reason_);
 }
 
 void Stream::on_eof() {
@@ -244,12 +302,11 @@ void Stream::queue_raw(std::vector<std::uint8_t> bytes) {
 }
 
 void Stream::enqueue(Message&& m, std::size_t charged) {
-  OutFrame f;
-  m.header.length = static_cast<std::uint32_t>(m.data.size());
-  f.header = encode_header(m.header);
-  f.payload = std::move(m.data);
-  f.charged = charged;
-  (state_ == StreamState::kHandshaking ? held_ : txq_).push_back(std::move(f));
+  if (state_ == StreamState::kHandshaking) {
+    held_.push_back(HeldMessage{std::move(m), charged});
+    return;
+  }
+  push_frame(std::move(m), charged);
 }
 
 // Builds the iovecs for the next write from the unsent bytes of the queue.
@@ -275,6 +332,9 @@ int Stream::gather(iovec* iov, std::size_t& want) {
     }
   };
   for (const OutFrame& f : txq_) {
+    // An SF frame's fds go with its first byte, one such frame per sendmsg:
+    // it starts a write of its own.
+    if (!f.wire_fds.empty() && !f.fds_sent && cnt > 0) break;
     std::size_t left = f.size() - f.sent;
     bool stage = left <= kSmallFrame && staging_.size() + left <= kStagingSize;
     // A frame that would not fit whole waits for the next write, unless it is
@@ -295,6 +355,7 @@ int Stream::gather(iovec* iov, std::size_t& want) {
       skip = 0;
     }
     if (cnt >= kMaxIov - 1 || (stage && staging_.size() == kStagingSize)) break;
+    // Stop before a second SF frame (checked at the top of the next round).
   }
   return cnt;
 }
@@ -307,10 +368,23 @@ void Stream::flush() {
     std::size_t want = 0;
     int cnt = gather(iov, want);
     ssize_t n;
+    OutFrame& first = txq_.front();
+    const bool with_fds = !first.wire_fds.empty() && !first.fds_sent;
     if (is_socket_) {
       msghdr mh{};
       mh.msg_iov = iov;
       mh.msg_iovlen = static_cast<std::size_t>(cnt);
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+      if (with_fds) {
+        const std::size_t bytes = sizeof(int) * first.wire_fds.size();
+        mh.msg_control = control;
+        mh.msg_controllen = CMSG_SPACE(bytes);
+        cmsghdr* c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(bytes);
+        std::memcpy(CMSG_DATA(c), first.wire_fds.data(), bytes);
+      }
       n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     } else {
       n = ::writev(fd, iov, cnt);
@@ -319,12 +393,24 @@ void Stream::flush() {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_write();
       int err = errno;
+      if (with_fds && send_fd_frame_failed(err)) continue;
       if (err == EPIPE && !is_socket_) consume_pending_sigpipe();
       if (err == EPIPE || err == ECONNRESET) return close("peer closed the connection (" + std::string(errno_text(err)) + ")");
       return close(failure("write", err));
     }
     ++stats_.writes;
     stats_.bytes_out += static_cast<std::uint64_t>(n);
+    if (with_fds) {
+      // The kernel holds its own references now; ours may close.
+      first.fds_sent = true;
+      stats_.fds_out += first.wire_fds.size();
+      first.fds_hold = {};
+      first.body_hold.reset();
+      if (first.original) {
+        first.original->fds = {};
+        first.original->sealed_body.reset();
+      }
+    }
     advance(static_cast<std::size_t>(n));
     if (static_cast<std::size_t>(n) < want) return arm_write();
   }
@@ -382,16 +468,21 @@ void Stream::close(const std::string& reason) {
   rd_.close(ignored);
   if (wr_) wr_->close(ignored);
   std::vector<Message> unsent;
-  for (OutFrame& f : held_) txq_.push_back(std::move(f));
-  held_.clear();
   for (OutFrame& f : txq_) {
     if (f.charged) gauge_->release(f.charged);
     // A partly written frame never reached the peer whole (its parser drops a
     // partial frame at EOF): it is as undelivered as the rest.
     if (!f.has_header) continue;
-    unsent.push_back(Message{decode_header(f.header.data()), std::move(f.payload)});
+    if (f.original) unsent.push_back(std::move(*f.original));
+    else unsent.push_back(Message{decode_header(f.header.data()), std::move(f.payload)});
   }
   txq_.clear();
+  for (HeldMessage& h : held_) {
+    if (h.charged) gauge_->release(h.charged);
+    unsent.push_back(std::move(h.msg));
+  }
+  held_.clear();
+  rx_fds_.clear();
   gauge_->close();
   log().debug("stream={} closed: {}", name(), reason);
   listener_->on_stream_closed(*this, reason, std::move(unsent));

@@ -15,6 +15,16 @@
 // and EAGAIN are ordinary events: EAGAIN waits for readiness, the others start
 // the close path with a reason.
 //
+// File descriptors (docs/PROTOCOL.md §13): on a socket whose peer announced
+// kFlagFdPassing, a message's fds and a memfd body travel with SCM_RIGHTS in
+// an "SF" frame, one such frame per sendmsg, starting at its first byte.
+// Reads are recvmsg(MSG_CMSG_CLOEXEC); each batch of fds received is bound to
+// the next SF frame parsed. A batch the kernel truncated (MSG_CTRUNC: this
+// process is at its fd limit) fails only its own frame: the listener gets
+// on_stream_refused() with the reason and the stream stays open, since the
+// bytes, and so the framing, arrived intact. A peer without the flag gets a
+// memfd body inline; a message with fds for it is refused the same way.
+//
 // Draining ("say goodbye"): flush the queue, half-close the write side (EOF to
 // the peer), keep reading until the peer's EOF, then close. A peer that sends
 // EOF first is answered the same way, so both sides deliver everything queued.
@@ -31,8 +41,11 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
+
+#include <sys/types.h>
 
 #include <asio/posix/stream_descriptor.hpp>
 #include <asio/steady_timer.hpp>
@@ -62,6 +75,12 @@ class StreamListener {
   // A frame that cannot be parsed; the stream closes right after this call
   // (flushing first, so a dead reply queued here is still sent).
   virtual void on_stream_invalid(Stream& s, const ParseResult& r) = 0;
+  // A message that cannot travel with its fds: received without them (the
+  // kernel dropped them, MSG_CTRUNC), with a memfd body that is not sealed, or
+  // refused on send (the peer cannot take fds, sendmsg failed with
+  // ETOOMANYREFS/EMFILE, too many fds). `m` is the message (without the fds),
+  // so its sender can be told why; the stream stays open.
+  virtual void on_stream_refused(Stream& s, Message&& m, const std::string& reason);
   // Exactly once. `unsent` holds the messages still queued, so their senders
   // can be told they were not delivered.
   virtual void on_stream_closed(Stream& s, const std::string& reason,
@@ -79,6 +98,7 @@ struct StreamStats {
   std::uint64_t bytes_in = 0, bytes_out = 0;
   std::uint64_t messages_in = 0, messages_out = 0;
   std::uint64_t writes = 0;  // write syscalls that moved bytes
+  std::uint64_t fds_in = 0, fds_out = 0;
 };
 
 class Stream : public std::enable_shared_from_this<Stream> {
@@ -117,6 +137,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
   OutputGauge& gauge() { return *gauge_; }
   const std::shared_ptr<OutputGauge>& gauge_ptr() const { return gauge_; }
   std::uint32_t max_message_size() const { return opts_.max_message_size; }
+  // Whether fds can travel to the peer: a socket, and the peer announced
+  // kFlagFdPassing (a stream without a handshake assumes it on a socket).
+  bool peer_takes_fds() const;
 
  private:
   struct OutFrame {
@@ -125,7 +148,24 @@ class Stream : public std::enable_shared_from_this<Stream> {
     Payload payload;
     std::size_t charged = 0;
     std::size_t sent = 0;
+    // SF frames only: the fds to pass with the first byte, and the message as
+    // it was enqueued (for refusal or close: its sender is told).
+    std::vector<int> wire_fds;
+    FdSet fds_hold;  // keeps wire_fds open until the kernel has them
+    std::shared_ptr<const SealedMemfd> body_hold;
+    bool fds_sent = false;
+    std::unique_ptr<Message> original;
     std::size_t size() const { return (has_header ? kHeaderSize : 0) + payload.size(); }
+  };
+  // A batch of fds from one recvmsg; the next SF frame parsed takes it.
+  struct FdBatch {
+    std::vector<UniqueFd> fds;
+    bool truncated = false;  // MSG_CTRUNC: the kernel dropped some or all
+  };
+  // A message waiting for the handshake: how it is framed depends on the peer.
+  struct HeldMessage {
+    Message msg;
+    std::size_t charged = 0;
   };
 
   Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
@@ -133,7 +173,15 @@ class Stream : public std::enable_shared_from_this<Stream> {
 
   void arm_read();
   void arm_write();
-  void on_read(std::size_t n);
+  void do_read();
+  ssize_t read_once(std::span<std::uint8_t> target);
+  void on_read(std::size_t n, bool filled);
+  bool bind_fds(Message& m);  // false: refused or protocol error (already handled)
+  void protocol_error(const ParseResult& r);
+  bool orphan_fds() const;
+  void push_frame(Message&& m, std::size_t charged);
+  void refuse(Message&& m, std::size_t charged, const std::string& reason);
+  bool send_fd_frame_failed(int err);
   void process_input();
   bool run_handshake();  // false if the stream closed
   void on_eof();
@@ -155,7 +203,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
   RxBuffer rx_;
   std::optional<FrameParser> parser_;
   std::deque<OutFrame> txq_;
-  std::deque<OutFrame> held_;  // messages queued before the handshake completed
+  std::deque<HeldMessage> held_;  // messages queued before the handshake completed
+  std::deque<FdBatch> rx_fds_;    // received fds not yet bound to a frame
+  bool had_handshake_ = false;
   std::vector<std::uint8_t> staging_;  // small frames gathered for one write
   std::shared_ptr<OutputGauge> gauge_;
   asio::steady_timer handshake_timer_;

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/sinks/base_sink.h>
 
+#include "broker/log.h"
 #include "router/child.h"
 #include "router/router.h"
 
@@ -109,6 +110,17 @@ class CaptureSink final : public spdlog::sinks::base_sink<std::mutex> {
   std::condition_variable cv_;
   std::vector<std::string> lines_;
   std::vector<spdlog::level::level_enum> levels_;
+};
+
+// Routes this process's log lines into a CaptureSink while it lives.
+class ScopedLogCapture {
+ public:
+  ScopedLogCapture() { set_log_sinks({sink_}); }
+  ~ScopedLogCapture() { set_log_sinks({}); }
+  CaptureSink& sink() { return *sink_; }
+
+ private:
+  std::shared_ptr<CaptureSink> sink_ = std::make_shared<CaptureSink>();
 };
 
 }  // namespace spindle::testutil

@@ -128,23 +128,24 @@ TEST(FrameHeader, DecodeReadsFromUnalignedPointer) {
   EXPECT_EQ(decode_header(buf.data() + 3), h);
 }
 
-TEST(FrameHeader, IsKnownEncAcceptsTheFiveEncodings) {
+TEST(FrameHeader, IsKnownEncAcceptsTheSixEncodings) {
   EXPECT_TRUE(is_known_enc(0x4d49));  // MI
   EXPECT_TRUE(is_known_enc(0x4d4a));  // MJ
   EXPECT_TRUE(is_known_enc(0x4d4b));  // MK
   EXPECT_TRUE(is_known_enc(0x5352));  // SR
   EXPECT_TRUE(is_known_enc(0x5345));  // SE
+  EXPECT_TRUE(is_known_enc(0x5346));  // SF: carries fds (PROTOCOL.md §13)
 }
 
 TEST(FrameHeader, IsKnownEncRejectsOthers) {
   const std::uint16_t bad[] = {0x0000, 0xffff, 0x4d48, 0x4d4c, 0x494d /* "IM" */,
-                               0x5351, 0x5353, 0x5344, 0x5346, 0x5250 /* "RP" */,
+                               0x5351, 0x5353, 0x5344, 0x5347, 0x5250 /* "RP" */,
                                0x4745 /* "GE" */, 0x5350 /* "SP" */, 0x0012};
   for (std::uint16_t e : bad) EXPECT_FALSE(is_known_enc(e)) << std::hex << e;
-  // Exhaustive: exactly five of the 65536 values are accepted.
+  // Exhaustive: exactly six of the 65536 values are accepted.
   int known = 0;
   for (std::uint32_t e = 0; e <= 0xffff; ++e) known += is_known_enc(static_cast<std::uint16_t>(e));
-  EXPECT_EQ(known, 5);
+  EXPECT_EQ(known, 6);
 }
 
 TEST(FrameHeader, OnlyMIIsMitogenDecodable) {

@@ -265,11 +265,8 @@ TEST(RpcFork, ChildKilledWhileHandlerBlocksFailsPendingCall) {
 }
 
 TEST(RpcFork, ChildLogLinesAreForwardedToParent) {
-  auto sink = std::make_shared<CaptureSink>();
-  set_log_sinks({sink});
-  struct Restore {
-    ~Restore() { set_log_sinks({}); }
-  } restore;
+  ScopedLogCapture capture;
+  CaptureSink* sink = &capture.sink();
   {
     Broker broker;
     Router router(broker, root_opts());

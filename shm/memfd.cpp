@@ -1,0 +1,148 @@
+// A memfd payload is sealed exactly once, by its creator, before anyone else
+// can see it; a receiver trusts nothing but the seals it reads back with
+// F_GET_SEALS. Without F_SEAL_WRITE the sender could still change the bytes
+// under the receiver (the check-then-use race Mojo's docs warn about), and
+// without SHRINK a truncate would turn the receiver's reads into SIGBUS: such
+// an fd is refused, never mapped.
+#include "shm/memfd.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <system_error>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+
+namespace spindle {
+namespace {
+
+[[noreturn]] void throw_errno(const char* what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+UniqueFd new_memfd(std::size_t size) {
+  UniqueFd fd(::memfd_create("spindle-payload", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd) throw_errno("memfd_create");
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) < 0) throw_errno("ftruncate(memfd)");
+  return fd;
+}
+
+void seal(int fd) {
+  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE) < 0)
+    throw_errno("fcntl(F_ADD_SEALS)");
+}
+
+// Keeps a read-only mapping, and the memfd behind it, alive for a Payload.
+class Mapping {
+ public:
+  Mapping(void* addr, std::size_t size, std::shared_ptr<const SealedMemfd> memfd)
+      : addr_(addr), size_(size), memfd_(std::move(memfd)) {}
+  ~Mapping() { ::munmap(addr_, size_); }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+
+ private:
+  void* addr_;
+  std::size_t size_;
+  std::shared_ptr<const SealedMemfd> memfd_;
+};
+
+}  // namespace
+
+std::shared_ptr<const SealedMemfd> SealedMemfd::copy_of(const Payload& bytes) {
+  UniqueFd fd = new_memfd(bytes.size());
+  std::vector<iovec> iov;
+  for (const Slice& s : bytes.slices()) iov.push_back({const_cast<std::uint8_t*>(s.data), s.size});
+  std::size_t done = 0, first = 0;
+  while (first < iov.size()) {
+    int cnt = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
+    ssize_t n = ::pwritev(fd.get(), iov.data() + first, cnt, static_cast<off_t>(done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_errno("pwritev(memfd)");
+    }
+    done += static_cast<std::size_t>(n);
+    // Skip what was written, trimming a slice written in part.
+    for (std::size_t k = static_cast<std::size_t>(n); k > 0 && first < iov.size();) {
+      std::size_t take = std::min(k, iov[first].iov_len);
+      iov[first].iov_base = static_cast<std::uint8_t*>(iov[first].iov_base) + take;
+      iov[first].iov_len -= take;
+      k -= take;
+      if (iov[first].iov_len == 0) ++first;
+    }
+  }
+  seal(fd.get());
+  return std::make_shared<SealedMemfd>(std::move(fd), bytes.size());
+}
+
+std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& error) {
+  int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0) {
+    error = fmt::format("not a memfd (F_GET_SEALS: {})", errno_text(errno));
+    return nullptr;
+  }
+  if ((seals & kRequiredSeals) != kRequiredSeals) {
+    error = fmt::format("memfd is not sealed against writing and resizing (seals 0x{:x}, need 0x{:x})",
+                        seals, kRequiredSeals);
+    return nullptr;
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) < 0) {
+    error = fmt::format("fstat(memfd): {}", errno_text(errno));
+    return nullptr;
+  }
+  return std::make_shared<SealedMemfd>(std::move(fd), static_cast<std::size_t>(st.st_size));
+}
+
+Payload SealedMemfd::map(bool populate) const {
+  if (size_ == 0) return {};
+  void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0),
+                      fd_.get(), 0);
+  if (addr == MAP_FAILED) throw_errno("mmap(memfd, PROT_READ)");
+  std::shared_ptr<const SealedMemfd> self = shared_from_this();
+  auto owner = std::make_shared<Mapping>(addr, size_, self);
+  Payload p;
+  p.append(Slice{std::move(owner), static_cast<const std::uint8_t*>(addr), size_});
+  p.set_memfd(std::move(self));  // resending this payload passes the fd again
+  return p;
+}
+
+PayloadBuffer::PayloadBuffer(std::size_t size) : fd_(new_memfd(size)), size_(size) {
+  if (size == 0) return;
+  void* a = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_.get(), 0);
+  if (a == MAP_FAILED) throw_errno("mmap(memfd, PROT_WRITE)");
+  addr_ = static_cast<std::uint8_t*>(a);
+}
+
+PayloadBuffer::PayloadBuffer(PayloadBuffer&& o) noexcept
+    : fd_(std::move(o.fd_)), addr_(o.addr_), size_(o.size_) {
+  o.addr_ = nullptr;
+  o.size_ = 0;
+}
+
+PayloadBuffer::~PayloadBuffer() {
+  if (addr_) ::munmap(addr_, size_);
+}
+
+Payload PayloadBuffer::seal() && {
+  if (!fd_) throw Error("PayloadBuffer::seal(): the buffer was already sealed");
+  // F_SEAL_WRITE is refused (EBUSY) while a writable shared mapping exists.
+  if (addr_ && ::munmap(addr_, size_) < 0) throw_errno("munmap(memfd)");
+  addr_ = nullptr;
+  spindle::seal(fd_.get());
+  auto memfd = std::make_shared<SealedMemfd>(std::move(fd_), size_);
+  size_ = 0;
+  // The producer has written its bytes; it rarely reads them back.
+  return memfd->map(false);
+}
+
+}  // namespace spindle

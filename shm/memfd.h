@@ -1,0 +1,82 @@
+// Memfd payloads: large message bodies that travel as a sealed memfd instead
+// of through the socket.
+//
+// SealedMemfd is an anonymous memfd (memfd_create: no name in /dev/shm, so
+// nothing to collide with and nothing left behind after a crash) whose size
+// and contents can no longer change: sealed F_SEAL_SHRINK | F_SEAL_GROW |
+// F_SEAL_WRITE before it leaves the process. A receiver adopts an fd only
+// after checking those seals, then maps it read-only; the Payload it hands to
+// the handler is a view of the mapping (its owner), never a copy.
+//
+// PayloadBuffer is the zero-copy way in: a writable mapping of a fresh memfd
+// that the sender fills in place; seal() drops the writable mapping, seals the
+// memfd and returns it as a Payload, so a large message is never copied.
+//
+// Thread safety: a SealedMemfd is immutable and may be shared between
+// threads. A PayloadBuffer belongs to one thread until sealed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "stream/fds.h"
+#include "stream/payload.h"
+
+namespace spindle {
+
+// The default size from which a payload travels as a memfd (RouterOptions).
+inline constexpr std::size_t kDefaultMemfdThreshold = 1u << 20;
+// What a memfd must carry before it may leave the process or be accepted.
+inline constexpr int kRequiredSeals = 0x0002 | 0x0004 | 0x0008;  // SHRINK | GROW | WRITE
+
+class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
+ public:
+  // A new sealed memfd holding a copy of `bytes` (one pwritev, no mapping).
+  // Throws std::system_error.
+  static std::shared_ptr<const SealedMemfd> copy_of(const Payload& bytes);
+  // Checks a received fd: a memfd whose size is sealed and whose contents are
+  // write-sealed. Returns nullptr and sets `error` if it is not.
+  static std::shared_ptr<const SealedMemfd> adopt(UniqueFd fd, std::string& error);
+
+  int fd() const { return fd_.get(); }
+  std::size_t size() const { return size_; }
+  // A read-only view of the whole contents; the Payload's owner is the
+  // mapping, which keeps this memfd alive, and payload.memfd() names it, so
+  // sending the payload on passes the fd again. `populate` builds the page
+  // tables up front (MAP_POPULATE): one pass instead of a fault per few
+  // pages, for a receiver that is about to read the bytes. Throws
+  // std::system_error.
+  Payload map(bool populate = true) const;
+
+  SealedMemfd(UniqueFd fd, std::size_t size) : fd_(std::move(fd)), size_(size) {}
+
+ private:
+  UniqueFd fd_;
+  std::size_t size_;
+};
+
+class PayloadBuffer {
+ public:
+  // A fresh memfd of `size` bytes, mapped writable. Throws std::system_error.
+  explicit PayloadBuffer(std::size_t size);
+  ~PayloadBuffer();
+  PayloadBuffer(PayloadBuffer&& o) noexcept;
+  PayloadBuffer& operator=(PayloadBuffer&&) = delete;
+  PayloadBuffer(const PayloadBuffer&) = delete;
+
+  std::span<std::uint8_t> bytes() { return {addr_, size_}; }
+  std::size_t size() const { return size_; }
+  // Unmaps the writable view, seals the memfd and returns it as a Payload
+  // (a read-only view). The buffer is empty afterwards.
+  Payload seal() &&;
+
+ private:
+  UniqueFd fd_;
+  std::uint8_t* addr_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace spindle

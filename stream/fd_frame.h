@@ -1,0 +1,54 @@
+// FdFrame: how a frame says it carries file descriptors (docs/PROTOCOL.md §13).
+//
+// The 26-byte Mitogen header has no spare field, so a frame that carries fds
+// uses its own enc, "SF" (kEncFds), and starts its payload with an 8-byte
+// prefix:  inner_enc:u16  fd_count:u16  flags:u16  reserved:u16 (0),
+// followed by the application bytes. inner_enc is the message's real enc (SR,
+// SE, MI...), fd_count the number of fds sent with the frame (1..253), and
+// flag kFdFlagMemfdBody says the first fd is a sealed memfd holding the body
+// (the inline bytes are then empty). A sender passes a frame's fds with the
+// sendmsg() that carries the frame's first byte, and one fd-carrying frame per
+// sendmsg; a receiver binds them by order: the n-th SF frame takes the n-th
+// batch of fds received (see stream.cpp).
+//
+// The reasons a stream gives when a message cannot travel with its fds are
+// named here, so the router can put them in dead replies (router/reasons.h).
+//
+// Thread safety: pure functions.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "stream/payload.h"
+
+namespace spindle {
+
+inline constexpr std::size_t kFdPrefixSize = 8;
+inline constexpr std::uint16_t kFdFlagMemfdBody = 1;
+
+struct FdPrefix {
+  std::uint16_t inner_enc = 0;
+  std::uint16_t fd_count = 0;
+  std::uint16_t flags = 0;
+  bool memfd_body() const { return (flags & kFdFlagMemfdBody) != 0; }
+};
+
+std::array<std::uint8_t, kFdPrefixSize> encode_fd_prefix(const FdPrefix& p);
+// Reads the prefix of an SF payload; nullopt (and `error`) if it is malformed.
+std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error);
+// The payload without its first `n` bytes, sharing the same owners.
+Payload drop_front(const Payload& data, std::size_t n);
+
+namespace fdreason {
+inline constexpr std::string_view kFdsLost = "receiver out of file descriptors";
+inline constexpr std::string_view kFdsUnsupported = "peer cannot take file descriptors";
+inline constexpr std::string_view kTooManyFds = "too many file descriptors";
+inline constexpr std::string_view kSendFailed = "cannot send file descriptors";
+inline constexpr std::string_view kBadMemfd = "refused memfd payload";
+}  // namespace fdreason
+
+}  // namespace spindle

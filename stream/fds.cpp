@@ -1,0 +1,61 @@
+// Fds are closed by their owners' destructors; a failing close() is not
+// retried (on Linux the descriptor is gone either way), only counted as the
+// caller's problem if it matters, which for a received fd it never does.
+#include "stream/fds.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <system_error>
+
+namespace spindle {
+
+void UniqueFd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+UniqueFd dup_fd(int fd) {
+  int d = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (d < 0) throw std::system_error(errno, std::generic_category(), "fcntl(F_DUPFD_CLOEXEC)");
+  return UniqueFd(d);
+}
+
+FdSet::FdSet(std::vector<UniqueFd> fds, std::shared_ptr<void> charge) {
+  if (fds.empty() && !charge) return;
+  held_ = std::make_shared<Held>(Held{std::move(fds), std::move(charge)});
+}
+
+FdSet FdSet::dup_of(std::span<const int> fds) {
+  std::vector<UniqueFd> v;
+  v.reserve(fds.size());
+  for (int fd : fds) v.push_back(dup_fd(fd));
+  return FdSet(std::move(v));
+}
+
+std::vector<int> FdSet::raw() const {
+  std::vector<int> v;
+  if (!held_) return v;
+  for (const UniqueFd& f : held_->fds) v.push_back(f.get());
+  return v;
+}
+
+FdSet FdSet::with_charge(std::shared_ptr<void> charge) && {
+  if (!held_) return FdSet({}, std::move(charge));
+  if (held_.use_count() == 1 && !held_->charge) {
+    held_->charge = std::move(charge);
+    return std::move(*this);
+  }
+  // Shared with another holder: the charge goes with duplicates of our own.
+  return FdSet(dup_all(), std::move(charge));
+}
+
+std::vector<UniqueFd> FdSet::dup_all() const {
+  std::vector<UniqueFd> v;
+  if (!held_) return v;
+  for (const UniqueFd& f : held_->fds) v.push_back(dup_fd(f.get()));
+  return v;
+}
+
+}  // namespace spindle

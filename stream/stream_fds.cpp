@@ -1,0 +1,206 @@
+// The fd half of Stream (docs/PROTOCOL.md §13): receiving with recvmsg and
+// binding each batch of fds to the SF frame it came with, framing outgoing
+// messages that carry fds or a memfd body, and turning every way a message
+// can lose its fds (MSG_CTRUNC, an unsealed memfd, a peer without the flag,
+// a failed sendmsg) into a refusal the listener hears about, never a drop.
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "shm/memfd.h"
+#include "stream/fd_frame.h"
+#include "stream/stream.h"
+
+namespace spindle {
+
+ssize_t Stream::read_once(std::span<std::uint8_t> target) {
+  const int fd = rd_.native_handle();
+  if (!is_socket_) return ::read(fd, target.data(), target.size());
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+  iovec iov{target.data(), target.size()};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof control;
+  ssize_t n = ::recvmsg(fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  if (n < 0) return n;
+  FdBatch batch;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const unsigned char* p = CMSG_DATA(c);
+    for (std::size_t i = 0; i < count; ++i) {
+      int fd_in;
+      std::memcpy(&fd_in, p + i * sizeof(int), sizeof(int));
+      batch.fds.emplace_back(fd_in);
+    }
+  }
+  // MSG_CTRUNC: the kernel dropped fds (this process is at RLIMIT_NOFILE, or
+  // more arrived than fit). Never ignored: the frame they belong to fails.
+  batch.truncated = (mh.msg_flags & MSG_CTRUNC) != 0;
+  if (!batch.fds.empty() || batch.truncated) {
+    stats_.fds_in += batch.fds.size();
+    rx_fds_.push_back(std::move(batch));
+  }
+  return n;
+}
+
+// Every complete frame has been parsed: a batch still waiting must belong to
+// the one partial frame left (its first byte came with the fds). More than
+// one, or one with nothing buffered, came with frames that were not SF: a
+// peer could otherwise pile fds up in this process.
+bool Stream::orphan_fds() const {
+  return rx_fds_.size() > 1 || (rx_fds_.size() == 1 && parser_->buffered() == 0);
+}
+
+// Gives an SF frame its fds: the oldest batch received. The sender passed
+// them with the frame's first byte and one SF frame per sendmsg, and the
+// kernel never returns fds later than the byte they came with, so by the time
+// a frame is complete its batch is the oldest one not yet taken.
+bool Stream::bind_fds(Message& m) {
+  ParseResult bad;
+  bad.status = ParseStatus::kInvalid;
+  bad.header = m.header;
+  bad.header_valid = true;
+  std::optional<FdPrefix> prefix = decode_fd_prefix(m.data, bad.error);
+  if (!prefix) {
+    protocol_error(bad);
+    return false;
+  }
+  if (rx_fds_.empty()) {
+    bad.error = fmt::format("SF frame declares {} fds but none arrived with it", prefix->fd_count);
+    protocol_error(bad);
+    return false;
+  }
+  FdBatch batch = std::move(rx_fds_.front());
+  rx_fds_.pop_front();
+  m.header.enc = prefix->inner_enc;
+  m.data = drop_front(m.data, kFdPrefixSize);
+  m.header.length = static_cast<std::uint32_t>(m.data.size());
+  if (batch.truncated) {
+    // The bytes are intact, only this frame's fds are lost: refuse the
+    // message, keep the connection (docs/PROTOCOL.md §13.4).
+    const std::size_t arrived = std::min<std::size_t>(batch.fds.size(), prefix->fd_count);
+    batch.fds.clear();  // give the slots back before anything else needs one
+    std::string why = fmt::format("{}: {} of {} fds lost (MSG_CTRUNC) at context {} on stream {}",
+                                  fdreason::kFdsLost, prefix->fd_count - arrived, prefix->fd_count,
+                                  peer_.local_id, name());
+    log().error("stream={} {}; message from context {} handle {} refused", name(), why,
+                m.header.src_id, m.header.handle);
+    listener_->on_stream_refused(*this, std::move(m), why);
+    return false;
+  }
+  if (batch.fds.size() != prefix->fd_count) {
+    bad.error = fmt::format("SF frame declares {} fds but {} arrived with it", prefix->fd_count,
+                            batch.fds.size());
+    protocol_error(bad);
+    return false;
+  }
+  if (prefix->memfd_body()) {
+    std::string err;
+    auto body = SealedMemfd::adopt(std::move(batch.fds.front()), err);
+    batch.fds.erase(batch.fds.begin());
+    if (body && body->size() > opts_.max_message_size)
+      err = fmt::format("message too large: {} bytes exceeds the maximum of {}", body->size(),
+                        opts_.max_message_size);
+    if (!err.empty()) {
+      std::string why = fmt::format("{}: {}", fdreason::kBadMemfd, err);
+      log().warn("stream={} {}; message from context {} handle {} refused", name(), why,
+                 m.header.src_id, m.header.handle);
+      listener_->on_stream_refused(*this, std::move(m), why);
+      return false;
+    }
+    m.sealed_body = std::move(body);
+  }
+  m.fds = FdSet(std::move(batch.fds));
+  return true;
+}
+
+void Stream::refuse(Message&& m, std::size_t charged, const std::string& reason) {
+  if (charged) gauge_->release(charged);
+  m.fds = {};
+  m.sealed_body.reset();
+  listener_->on_stream_refused(*this, std::move(m), reason);
+}
+
+// Frames a message for this peer. fds and a memfd body go in an SF frame if
+// the peer takes fds; otherwise a memfd body goes inline (mapped, not
+// copied) and fds are refused: they cannot be turned into bytes.
+void Stream::push_frame(Message&& m, std::size_t charged) {
+  const std::size_t nfds = m.fds.size();
+  if (nfds > kMaxFdsPerMessage)
+    return refuse(std::move(m), charged,
+                  fmt::format("{}: {} exceeds the limit of {} per message", fdreason::kTooManyFds,
+                              nfds, kMaxFdsPerMessage));
+  const bool fd_peer = peer_takes_fds();
+  if (nfds > 0 && !fd_peer)
+    return refuse(std::move(m), charged,
+                  fmt::format("{}: {} fds for context {} on stream {}", fdreason::kFdsUnsupported,
+                              nfds, m.header.dst_id, name()));
+  // The body goes as an fd when it is (or sits in) a sealed memfd and a slot
+  // is left for it; else inline.
+  std::shared_ptr<const SealedMemfd> body = m.sealed_body ? m.sealed_body : m.data.memfd();
+  if (body && (!fd_peer || nfds == kMaxFdsPerMessage)) {
+    if (m.sealed_body) {
+      try {
+        m.data = m.sealed_body->map();
+      } catch (const std::exception& e) {
+        return refuse(std::move(m), charged, fmt::format("{}: {}", fdreason::kBadMemfd, e.what()));
+      }
+      m.sealed_body.reset();
+    }
+    body.reset();
+  }
+  OutFrame f;
+  f.charged = charged;
+  if (nfds == 0 && !body) {
+    m.header.length = static_cast<std::uint32_t>(m.data.size());
+    f.header = encode_header(m.header);
+    f.payload = std::move(m.data);
+    txq_.push_back(std::move(f));
+    return;
+  }
+  FdPrefix prefix{m.header.enc, static_cast<std::uint16_t>(nfds + (body ? 1 : 0)),
+                  body ? kFdFlagMemfdBody : std::uint16_t{0}};
+  auto prefix_bytes = encode_fd_prefix(prefix);
+  f.payload = Payload::copy_of(std::span<const std::uint8_t>(prefix_bytes));
+  if (!body)
+    for (const Slice& sl : m.data.slices()) f.payload.append(sl);
+  Header h = m.header;
+  h.enc = kEncFds;
+  h.length = static_cast<std::uint32_t>(f.payload.size());
+  f.header = encode_header(h);
+  if (body) f.wire_fds.push_back(body->fd());
+  for (int fd : m.fds.raw()) f.wire_fds.push_back(fd);
+  f.fds_hold = m.fds;
+  f.body_hold = body;
+  f.original = std::make_unique<Message>(std::move(m));
+  txq_.push_back(std::move(f));
+}
+
+// sendmsg refused the fds of the frame at the head of the queue (nothing of
+// it was written): that message fails alone, with the reason, and the rest of
+// the queue goes on. Errors that are not about the fds close the stream as
+// usual (returns false).
+bool Stream::send_fd_frame_failed(int err) {
+  if (err != ETOOMANYREFS && err != EMFILE && err != ENFILE && err != EINVAL && err != EBADF)
+    return false;
+  OutFrame f = std::move(txq_.front());
+  txq_.pop_front();
+  std::string why = fmt::format("{}: sendmsg: {} ({} fds, stream {})", fdreason::kSendFailed,
+                                errno_text(err), f.wire_fds.size(), name());
+  log().warn("stream={} {}", name(), why);
+  Message m = f.original ? std::move(*f.original) : Message{decode_header(f.header.data()), {}};
+  refuse(std::move(m), f.charged, why);
+  return true;
+}
+
+}  // namespace spindle

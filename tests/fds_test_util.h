@@ -1,0 +1,135 @@
+// Helpers for the fd-passing and memfd tests (test_fds.cpp, test_memfd.cpp):
+// identifying an fd by what it refers to, counting this process's fds,
+// listing /dev/shm, writing frames with SCM_RIGHTS from a raw far end, and a
+// Recorder that also records refusals.
+#pragma once
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <set>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "stream/fd_frame.h"
+#include "stream/fds.h"
+#include "router/child.h"
+#include "tests/stream_test_util.h"
+
+namespace spindle::testutil {
+
+// What an fd refers to: equal for dups and for an fd passed to another process.
+inline std::pair<dev_t, ino_t> fd_identity(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return {0, 0};
+  return {st.st_dev, st.st_ino};
+}
+
+inline bool has_cloexec(int fd) {
+  int fl = ::fcntl(fd, F_GETFD);
+  return fl >= 0 && (fl & FD_CLOEXEC);
+}
+
+inline std::size_t open_fd_count() {
+  std::size_t n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  if (!d) return 0;
+  while (dirent* e = ::readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  ::closedir(d);
+  return n - 1;  // the directory's own fd
+}
+
+inline std::set<std::string> dev_shm_entries() {
+  std::set<std::string> names;
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d))
+      if (e->d_name[0] != '.') names.insert(e->d_name);
+    ::closedir(d);
+  }
+  return names;
+}
+
+// `n` fds of fresh pipes' read ends (the write ends are closed).
+inline std::vector<UniqueFd> pipe_fds(std::size_t n) {
+  std::vector<UniqueFd> v;
+  for (std::size_t i = 0; i < n; ++i) {
+    FdPair p = make_pipe();
+    v.emplace_back(p.a);
+    ::close(p.b);
+  }
+  return v;
+}
+
+// One blocking sendmsg of `bytes` with `fds` attached (SCM_RIGHTS).
+inline bool send_with_fds(int sock, std::span<const std::uint8_t> bytes, std::span<const int> fds) {
+  iovec iov{const_cast<std::uint8_t*>(bytes.data()), bytes.size()};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+  if (!fds.empty()) {
+    mh.msg_control = control.data();
+    mh.msg_controllen = control.size();
+    cmsghdr* c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  }
+  return ::sendmsg(sock, &mh, MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+}
+
+// The wire bytes of an SF frame: header, prefix, inline body.
+inline std::vector<std::uint8_t> sf_frame(std::uint32_t handle, std::uint16_t fd_count,
+                                          const std::string& body, std::uint16_t flags = 0) {
+  Header h;
+  h.enc = kEncFds;
+  h.dst_id = 1;
+  h.src_id = 2;
+  h.handle = handle;
+  h.reply_to = 5000;
+  h.length = static_cast<std::uint32_t>(kFdPrefixSize + body.size());
+  HeaderBytes hb = encode_header(h);
+  auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, fd_count, flags});
+  std::vector<std::uint8_t> v(kHeaderSize + kFdPrefixSize + body.size());
+  std::memcpy(v.data(), hb.data(), kHeaderSize);
+  std::memcpy(v.data() + kHeaderSize, prefix.data(), kFdPrefixSize);
+  if (!body.empty()) std::memcpy(v.data() + kHeaderSize + kFdPrefixSize, body.data(), body.size());
+  return v;
+}
+
+// tests/helpers/spawned_echo (echo on handle 3000) over stdin/stdout: a peer
+// whose transport cannot carry fds.
+inline Context spawn_echo_on_pipes(Router& router, const std::string& name) {
+  ChildOptions o;
+  o.name = name;
+  o.transport = ChildTransport::kStdio;
+  return spawn_child(router, SPINDLE_HELPER_DIR "/spawned_echo", {}, o);
+}
+
+// A Recorder that also keeps what the stream refused, and why.
+class FdRecorder : public Recorder {
+ public:
+  void on_stream_refused(Stream&, Message&& m, const std::string& why) override {
+    std::lock_guard lk(mu);
+    refused.push_back(std::move(m));
+    refusals.push_back(why);
+    cv.notify_all();
+  }
+  bool wait_refusals(std::size_t n) {
+    return wait([&] { return refusals.size() >= n; });
+  }
+  std::vector<Message> refused;
+  std::vector<std::string> refusals;
+};
+
+}  // namespace spindle::testutil

@@ -1,0 +1,442 @@
+// File descriptors in messages (docs/PROTOCOL.md §13): fds bound to their
+// frames across split reads, the 253 limit, protocol errors in the SF prefix,
+// peers that cannot take fds, ETOOMANYREFS on send, MSG_CTRUNC on receive
+// (a forked receiver at its fd limit) and the router's per-peer fd quota.
+//
+// Stream-level tests run two streams on one broker or a raw far end on the
+// test thread; router-level tests use real forked children. No gtest macro
+// runs inside a forked child.
+#include <linux/capability.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/child.h"
+#include "router/reasons.h"
+#include "router/router.h"
+#include "shm/memfd.h"
+#include "tests/fds_test_util.h"
+#include "tests/router_test_util.h"
+
+namespace spindle {
+namespace {
+
+using namespace std::chrono_literals;
+using namespace testutil;
+
+std::vector<std::pair<dev_t, ino_t>> identities(const std::vector<UniqueFd>& fds) {
+  std::vector<std::pair<dev_t, ino_t>> ids;
+  for (const UniqueFd& f : fds) ids.push_back(fd_identity(f.get()));
+  return ids;
+}
+
+std::vector<std::pair<dev_t, ino_t>> identities(const FdSet& fds) {
+  std::vector<std::pair<dev_t, ino_t>> ids;
+  for (int fd : fds.raw()) ids.push_back(fd_identity(fd));
+  return ids;
+}
+
+Message with_fds(std::uint32_t handle, const std::string& body, std::vector<UniqueFd> fds) {
+  Message m = make_msg(handle, body);
+  m.fds = FdSet(std::move(fds));
+  return m;
+}
+
+// ------------------------------------------------------------ streams
+
+TEST(FdsStream, FdsArriveBoundToTheirFramesAcrossSplitReads) {
+  FdRecorder tx_rec, rx_rec;
+  StreamHarness h;
+  FdPair sp = make_socketpair();
+  Stream* tx = h.make(sp.a, sp.a, &tx_rec);
+  Stream* rx = h.make(sp.b, sp.b, &rx_rec);
+  auto b_fds = pipe_fds(2), c_fds = pipe_fds(1), d_fds = pipe_fds(kMaxFdsPerMessage);
+  auto b_ids = identities(b_fds), c_ids = identities(c_fds), d_ids = identities(d_fds);
+  // 3 MiB: the frame arrives over many reads, its fds with the first.
+  std::vector<std::uint8_t> big = pattern(3u << 20, 11);
+  h.on([&] {
+    tx->enqueue(make_msg(1, "plain before"), 0);
+    Message b = with_fds(2, "", std::move(b_fds));
+    b.data = Payload::copy_of(std::span<const std::uint8_t>(big));
+    tx->enqueue(std::move(b), 0);
+    tx->enqueue(with_fds(3, "one fd", std::move(c_fds)), 0);
+    tx->enqueue(with_fds(4, "the most one message may carry", std::move(d_fds)), 0);
+    tx->enqueue(make_msg(5, "plain after"), 0);
+    tx->flush();
+  });
+  ASSERT_TRUE(rx_rec.wait_messages(5));
+  // Stats first: the broker thread may need the recorder's lock meanwhile.
+  EXPECT_EQ(h.on([&] { return rx->stats().fds_in; }), 2u + 1u + kMaxFdsPerMessage);
+  EXPECT_EQ(h.on([&] { return tx->stats().fds_out; }), 2u + 1u + kMaxFdsPerMessage);
+  std::lock_guard lk(rx_rec.mu);
+  auto& got = rx_rec.messages;
+  ASSERT_EQ(got.size(), 5u);
+  EXPECT_TRUE(got[0].fds.empty());
+  EXPECT_EQ(got[0].text(), "plain before");
+  EXPECT_EQ(identities(got[1].fds), b_ids);
+  EXPECT_EQ(payload_bytes(got[1].data), big);
+  EXPECT_EQ(got[1].header.enc, kEncRaw) << "the inner enc is restored";
+  EXPECT_EQ(got[1].header.length, big.size());
+  EXPECT_EQ(identities(got[2].fds), c_ids);
+  EXPECT_EQ(got[2].text(), "one fd");
+  EXPECT_EQ(identities(got[3].fds), d_ids);
+  EXPECT_TRUE(got[4].fds.empty());
+  EXPECT_EQ(got[4].text(), "plain after");
+  for (const Message& m : got)
+    for (int fd : m.fds.raw()) EXPECT_TRUE(has_cloexec(fd)) << "received without MSG_CMSG_CLOEXEC";
+  EXPECT_TRUE(rx_rec.refusals.empty());
+}
+
+TEST(FdsStream, RawPeerSplittingAFrameIntoManyWritesStillBindsItsFds) {
+  FdRecorder rec;
+  StreamHarness h;
+  FdPair sp = make_socketpair();
+  h.make(sp.a, sp.a, &rec);
+  auto b_fds = pipe_fds(2), c_fds = pipe_fds(1);
+  auto b_ids = identities(b_fds), c_ids = identities(c_fds);
+  // A plain frame; built here by hand because GCC 12 mis-warns (array-bounds)
+  // about frame_bytes() inlined into this function.
+  Header ah;
+  ah.dst_id = 1;
+  ah.src_id = 2;
+  ah.handle = 1;
+  ah.length = 5;
+  HeaderBytes ahb = encode_header(ah);
+  std::vector<std::uint8_t> a(ahb.begin(), ahb.end());
+  for (char ch : std::string("plain")) a.push_back(static_cast<std::uint8_t>(ch));
+  auto b = sf_frame(2, 2, std::string(5000, 'b'));
+  auto c = sf_frame(3, 1, "c");
+  // Frame a and the first 3 bytes of b, with b's fds; then b a byte at a time.
+  std::vector<std::uint8_t> first(a.size() + 3);
+  std::memcpy(first.data(), a.data(), a.size());
+  std::memcpy(first.data() + a.size(), b.data(), 3);
+  std::vector<int> braw{b_fds[0].get(), b_fds[1].get()};
+  ASSERT_TRUE(send_with_fds(sp.b, first, braw));
+  for (std::size_t i = 3; i < 60; ++i) ASSERT_TRUE(write_all(sp.b, &b[i], 1));
+  ASSERT_TRUE(write_all(sp.b, b.data() + 60, b.size() - 60));
+  std::vector<int> craw{c_fds[0].get()};
+  ASSERT_TRUE(send_with_fds(sp.b, c, craw));
+  ASSERT_TRUE(rec.wait_messages(3));
+  std::lock_guard lk(rec.mu);
+  EXPECT_TRUE(rec.messages[0].fds.empty());
+  EXPECT_EQ(identities(rec.messages[1].fds), b_ids);
+  EXPECT_EQ(rec.messages[1].text(), std::string(5000, 'b'));
+  EXPECT_EQ(identities(rec.messages[2].fds), c_ids);
+  EXPECT_EQ(rec.messages[2].text(), "c");
+  close_fd(sp.b);
+}
+
+TEST(FdsStream, MoreThan253FdsIsAClearError) {
+  FdRecorder tx_rec, rx_rec;
+  StreamHarness h;
+  FdPair sp = make_socketpair();
+  Stream* tx = h.make(sp.a, sp.a, &tx_rec);
+  h.make(sp.b, sp.b, &rx_rec);
+  h.on([&] {
+    tx->enqueue(with_fds(1, "too many", pipe_fds(kMaxFdsPerMessage + 1)), 0);
+    tx->enqueue(make_msg(2, "next"), 0);
+    tx->flush();
+  });
+  ASSERT_TRUE(tx_rec.wait_refusals(1));
+  {
+    std::lock_guard lk(tx_rec.mu);
+    EXPECT_TRUE(contains(tx_rec.refusals[0], reason::kTooManyFds)) << tx_rec.refusals[0];
+    EXPECT_TRUE(contains(tx_rec.refusals[0], "254")) << tx_rec.refusals[0];
+    EXPECT_EQ(tx_rec.refused[0].header.handle, 1u);
+  }
+  ASSERT_TRUE(rx_rec.wait_messages(1));
+  EXPECT_EQ(rx_rec.messages[0].text(), "next");
+
+  // Through the router the caller gets an exception and nothing is sent.
+  Broker broker;
+  Router router(broker, root_opts());
+  Message m = Message::make(7, 1000, Payload::copy_of(std::string("x")));
+  m.fds = FdSet(pipe_fds(kMaxFdsPerMessage + 1));
+  try {
+    router.send(std::move(m));
+    ADD_FAILURE() << "254 fds were accepted";
+  } catch (const Error& e) {
+    EXPECT_TRUE(contains(e.what(), reason::kTooManyFds)) << e.what();
+  }
+}
+
+// A raw peer sends `bytes` with `nfds` fds in one sendmsg; returns why the
+// stream closed (empty if it did not) and how many messages it delivered.
+std::pair<std::string, std::size_t> close_reason_for(const std::vector<std::uint8_t>& bytes,
+                                                     std::size_t nfds) {
+  FdRecorder rec;
+  StreamHarness h;
+  FdPair sp = make_socketpair();
+  h.make(sp.a, sp.a, &rec);
+  auto fds = pipe_fds(nfds);
+  std::vector<int> raw;
+  for (const UniqueFd& f : fds) raw.push_back(f.get());
+  EXPECT_TRUE(send_with_fds(sp.b, bytes, raw));
+  bool closed = rec.wait_closed();
+  h.teardown();
+  close_fd(sp.b);
+  return {closed ? rec.close_reason() : std::string(), rec.message_count()};
+}
+
+TEST(FdsStream, SfFrameWhoseCountDisagreesWithItsFdsIsAProtocolError) {
+  auto [why, delivered] = close_reason_for(sf_frame(2, 2, "liar"), 1);
+  EXPECT_TRUE(contains(why, "declares 2 fds but 1 arrived")) << why;
+  EXPECT_EQ(delivered, 0u);
+}
+
+TEST(FdsStream, FdsSentWithAFrameThatIsNotSfAreAProtocolError) {
+  auto [why, delivered] = close_reason_for(frame_bytes(7, "not SF"), 3);
+  EXPECT_TRUE(contains(why, "arrived without an SF frame")) << why;
+  EXPECT_EQ(delivered, 1u) << "the frame itself is complete and delivered first";
+}
+
+TEST(FdsStream, PeerThatCannotTakeFdsGetsARefusalAndMemfdBodiesInline) {
+  FdRecorder rec;
+  StreamHarness h;
+  FdPair to_peer = make_pipe(), from_peer = make_pipe();
+  Stream* s = h.make(from_peer.a, to_peer.b, &rec);
+  EXPECT_FALSE(h.on([&] { return s->peer_takes_fds(); }));
+  PayloadBuffer buf(2u << 20);
+  auto want = pattern(buf.size(), 3);
+  std::memcpy(buf.bytes().data(), want.data(), want.size());
+  Payload sealed = std::move(buf).seal();
+  h.on([&] {
+    s->enqueue(with_fds(1, "fds", pipe_fds(2)), 0);
+    Message big = make_msg(2, "");
+    big.data = sealed;
+    s->enqueue(std::move(big), 0);
+    s->flush();
+  });
+  ASSERT_TRUE(rec.wait_refusals(1));
+  {
+    std::lock_guard lk(rec.mu);
+    EXPECT_TRUE(contains(rec.refusals[0], reason::kFdsUnsupported)) << rec.refusals[0];
+  }
+  FrameReader reader(to_peer.a);
+  auto m = reader.next();
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->header.enc, kEncRaw);
+  EXPECT_EQ(m->header.handle, 2u);
+  EXPECT_EQ(payload_bytes(m->data), want);
+  h.teardown();
+  close_fd(to_peer.a);
+  close_fd(from_peer.b);
+}
+
+// Fds in flight count against the sender's RLIMIT_NOFILE (unless it holds
+// CAP_SYS_RESOURCE/ADMIN, which the forked sender drops): the second message
+// fails with ETOOMANYREFS, and that is reported, not dropped.
+TEST(FdsSend, TooManyRefsIsReportedToTheSender) {
+  int result[2];
+  ASSERT_EQ(::pipe2(result, O_CLOEXEC), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(result[0]);
+    std::string out = "child failed";
+    {
+      __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+      __user_cap_data_struct caps[2]{};
+      if (::syscall(SYS_capset, &hdr, caps) != 0) out = "capset failed";
+      int sv[2];
+      ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv);
+      FdRecorder rec;
+      Broker broker;
+      std::shared_ptr<Stream> s;
+      std::promise<void> made;
+      broker.defer([&] {
+        s = Stream::create(broker, sv[0], sv[0], {}, nullptr, &rec);
+        s->start();
+        made.set_value();
+      });
+      made.get_future().wait();
+      // The fds to pass sit at 100 and up; the limit (30) leaves the low
+      // numbers free, so only the fds in flight exceed it.
+      std::vector<UniqueFd> many;
+      for (int i = 0; i < 40; ++i) many.emplace_back(::fcntl(sv[1], F_DUPFD_CLOEXEC, 100));
+      UniqueFd spare(::fcntl(sv[1], F_DUPFD_CLOEXEC, 100));
+      rlimit lim{30, 30};
+      ::setrlimit(RLIMIT_NOFILE, &lim);
+      broker.defer([&] {
+        s->enqueue(with_fds(1, "first", std::move(many)), 0);
+        std::vector<UniqueFd> one;
+        one.push_back(std::move(spare));
+        s->enqueue(with_fds(2, "second", std::move(one)), 0);
+        s->flush();
+      });
+      if (rec.wait_refusals(1)) {
+        std::lock_guard lk(rec.mu);
+        out = fmt::format("{}|{}", rec.refused[0].header.handle, rec.refusals[0]);
+      } else {
+        out = "no refusal";
+      }
+      broker.defer([&] { s->close("done"); });
+      broker.shutdown();
+      broker.join();
+    }
+    (void)!::write(result[1], out.data(), out.size());
+    ::_exit(0);
+  }
+  ::close(result[1]);
+  std::string got;
+  char buf[512];
+  ssize_t n;
+  while ((n = ::read(result[0], buf, sizeof buf)) > 0) got.append(buf, static_cast<std::size_t>(n));
+  ::close(result[0]);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << describe_wait_status(st);
+  EXPECT_TRUE(contains(got, reason::kFdSendFailed)) << got;
+  EXPECT_TRUE(contains(got, errno_text(ETOOMANYREFS))) << got;
+  EXPECT_EQ(got.substr(0, 2), "2|") << "the second message is the one refused: " << got;
+}
+
+// ------------------------------------------------------------ router
+
+constexpr std::uint32_t kFill = 3100, kRelease = 3101, kTake = 3102, kRelay = 3103;
+
+// Replies "<n> fds, <k> open and cloexec".
+void take_handler(Router& r, Message&& m) {
+  std::size_t ok = 0;
+  for (int fd : m.fds.raw()) ok += has_cloexec(fd);
+  r.reply(m, Payload::copy_of(fmt::format("{} fds, {} open and cloexec", m.fds.size(), ok)));
+}
+
+TEST(FdsRouter, ReceiverOutOfFdsGivesTheSenderANamedDeadReplyAndLogs) {
+  ScopedLogCapture capture;
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, [](ChildEnv& env) {
+    Router& r = env.router();
+    auto fillers = std::make_shared<std::vector<UniqueFd>>();
+    r.add_handler([&r, fillers](Message&& m) {
+      rlimit lim{64, 64};
+      ::setrlimit(RLIMIT_NOFILE, &lim);
+      for (;;) {
+        UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+        if (!f) break;
+        fillers->push_back(std::move(f));
+      }
+      // Exactly two slots left: of three fds sent, the kernel installs two
+      // and drops one. (Sanitizer runtimes also need a free fd now and then.)
+      fillers->pop_back();
+      fillers->pop_back();
+      r.reply(m, Payload::copy_of(std::string("full")));
+    }, {}, kFill);
+    r.add_handler([&r, fillers](Message&& m) {
+      fillers->clear();
+      r.reply(m, Payload::copy_of(std::string("released")));
+    }, {}, kRelease);
+    r.add_handler([&r](Message&& m) { take_handler(r, std::move(m)); }, {}, kTake);
+    env.serve();
+    return 0;
+  }, named("fd-starved"));
+  ASSERT_EQ(c.call(kFill, std::string_view{}, 10s), "full");
+  Message m = Message::make(c.id(), kTake, Payload::copy_of(std::string("fds")));
+  m.fds = FdSet(pipe_fds(3));
+  try {
+    router.call(std::move(m), 10s);
+    ADD_FAILURE() << "a message whose fds were dropped was delivered";
+  } catch (const ChannelError& e) {
+    EXPECT_TRUE(contains(e.what(), reason::kFdsLost)) << e.what();
+    EXPECT_TRUE(contains(e.what(), "1 of 3 fds lost")) << e.what();
+  }
+  std::string line;
+  spdlog::level::level_enum level = spdlog::level::off;
+  ASSERT_TRUE(capture.sink().wait_for_line("out of file descriptors", 15s, &line, &level))
+      << "the receiver did not log the lost fds";
+  EXPECT_TRUE(contains(line, "fd-starved")) << line;
+  EXPECT_EQ(level, spdlog::level::err) << line;
+  // The connection survived: with fds to spare the same message goes through.
+  ASSERT_EQ(c.call(kRelease, std::string_view{}, 10s), "released");
+  Message again = Message::make(c.id(), kTake, {});
+  again.fds = FdSet(pipe_fds(3));
+  EXPECT_EQ(router.call(std::move(again), 10s).text(), "3 fds, 3 open and cloexec");
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+TEST(FdsRouter, PerPeerFdQuotaRefusesOverQuotaAndIsReleased) {
+  Broker broker;
+  RouterOptions o = root_opts();
+  o.fd_quota = 4;
+  Router router(broker, o);
+  Context b = fork_child(router, [](ChildEnv& env) {
+    Router& r = env.router();
+    r.add_handler([&r](Message&& m) { take_handler(r, std::move(m)); }, {}, kTake);
+    env.serve();
+    return 0;
+  }, named("fd-sink"));
+  // A relays the fds it gets to the context named in the payload (via the
+  // root, which charges A's link) and answers with the outcome.
+  Context a = fork_child(router, [](ChildEnv& env) {
+    Router& r = env.router();
+    OffBrokerThreads workers;
+    r.add_handler([&r, &workers](Message&& m) {
+      auto req = std::make_shared<Message>(std::move(m));
+      workers.run([&r, req] {
+        std::string out;
+        try {
+          Message fwd = Message::make(static_cast<std::uint32_t>(std::stoul(req->text())), kTake, {});
+          fwd.fds = req->fds;
+          out = "ok: " + r.call(std::move(fwd), 10s).text();
+        } catch (const std::exception& e) {
+          out = std::string("error: ") + e.what();
+        }
+        r.reply(*req, Payload::copy_of(out));
+      });
+    }, {}, kRelay);
+    env.serve();
+    workers.join_all();
+    return 0;
+  }, named("fd-relay"));
+  auto relay = [&](std::size_t n) {
+    Message m = Message::make(a.id(), kRelay, Payload::copy_of(std::to_string(b.id())));
+    m.fds = FdSet(pipe_fds(n));
+    return router.call(std::move(m), 20s).text();
+  };
+  // At the quota, again and again: each message's charge comes back.
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(relay(4), "ok: 4 fds, 4 open and cloexec") << i;
+  std::string over = relay(5);
+  EXPECT_TRUE(contains(over, "error: ")) << over;
+  EXPECT_TRUE(contains(over, reason::kFdQuota)) << over;
+  EXPECT_TRUE(contains(over, "quota 4")) << over;
+  EXPECT_EQ(relay(1), "ok: 1 fds, 1 open and cloexec");
+  a.shutdown();
+  b.shutdown();
+  expect_exit_code(a, 0);
+  expect_exit_code(b, 0);
+}
+
+TEST(FdsRouter, FdsToAPeerOnPipesAreRefusedWithANamedReason) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = spawn_echo_on_pipes(router, "stdio-peer");
+  Message m = Message::make(c.id(), 3000, Payload::copy_of(std::string("with fds")));
+  m.fds = FdSet(pipe_fds(2));
+  try {
+    router.call(std::move(m), 10s);
+    ADD_FAILURE() << "fds were sent to a peer that cannot take them";
+  } catch (const ChannelError& e) {
+    EXPECT_TRUE(contains(e.what(), reason::kFdsUnsupported)) << e.what();
+  }
+  EXPECT_EQ(c.call(3000, "still fine", 10s), "still fine");
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+}  // namespace
+}  // namespace spindle

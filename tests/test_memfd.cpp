@@ -1,0 +1,216 @@
+// Large payloads through sealed memfds (docs/PROTOCOL.md §13): the seals a
+// PayloadBuffer gets, a receiver refusing an unsealed, writable or non-memfd
+// body, the round trip through a forked child as a memfd (a view, not a
+// copy), the inline fallback for a peer without fds, and kill -9 of either
+// side mid-transfer leaving nothing in /dev/shm and no fd behind.
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "router/child.h"
+#include "router/reasons.h"
+#include "router/router.h"
+#include "shm/memfd.h"
+#include "tests/fds_test_util.h"
+#include "tests/router_test_util.h"
+
+namespace spindle {
+namespace {
+
+using namespace std::chrono_literals;
+using namespace testutil;
+
+constexpr std::uint32_t kEcho = 3000, kDescribe = 3200, kStream = 3201;
+
+Payload filled_buffer(std::size_t n, std::uint32_t seed) {
+  PayloadBuffer buf(n);
+  auto bytes = pattern(n, seed);
+  std::memcpy(buf.bytes().data(), bytes.data(), n);
+  return std::move(buf).seal();
+}
+
+TEST(Memfd, PayloadBufferIsSealedNamelessAndReadOnly) {
+  auto shm_before = dev_shm_entries();
+  Payload p = filled_buffer(3u << 20, 5);
+  ASSERT_TRUE(p.memfd());
+  const int fd = p.memfd()->fd();
+  EXPECT_EQ(::fcntl(fd, F_GET_SEALS) & kRequiredSeals, kRequiredSeals);
+  EXPECT_TRUE(has_cloexec(fd));
+  EXPECT_EQ(payload_bytes(p), pattern(3u << 20, 5));
+  ASSERT_TRUE(p.contiguous().data() != nullptr) << "one view of the mapping";
+  // Nobody can change it any more: not by write(), not through a new mapping.
+  char x = 'x';
+  EXPECT_LT(::pwrite(fd, &x, 1, 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  void* w = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  EXPECT_EQ(w, MAP_FAILED);
+  EXPECT_NE(::ftruncate(fd, 1), 0);
+  EXPECT_EQ(dev_shm_entries(), shm_before) << "a memfd has no name in /dev/shm";
+}
+
+TEST(Memfd, ReceiverRefusesUnsealedWritableOrForeignBodies) {
+  FdRecorder rec;
+  StreamHarness h;
+  FdPair sp = make_socketpair();
+  h.make(sp.a, sp.a, &rec);
+  auto make_memfd = [](int seals) {
+    UniqueFd fd(::memfd_create("test-body", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    EXPECT_EQ(::ftruncate(fd.get(), 8192), 0);
+    if (seals) {
+      EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+    }
+    return fd;
+  };
+  std::vector<UniqueFd> bodies;
+  bodies.push_back(make_memfd(0));                            // unsealed
+  bodies.push_back(make_memfd(F_SEAL_SHRINK | F_SEAL_GROW));  // still writable
+  bodies.push_back(std::move(pipe_fds(1)[0]));                // not a memfd
+  bodies.push_back(make_memfd(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE));  // good
+  for (std::size_t i = 0; i < bodies.size(); ++i) {
+    int raw = bodies[i].get();
+    ASSERT_TRUE(send_with_fds(sp.b, sf_frame(static_cast<std::uint32_t>(10 + i), 1, "", kFdFlagMemfdBody),
+                              std::span<const int>(&raw, 1)));
+  }
+  ASSERT_TRUE(rec.wait_messages(1));
+  ASSERT_TRUE(rec.wait_refusals(3));
+  std::lock_guard lk(rec.mu);
+  ASSERT_EQ(rec.refusals.size(), 3u);
+  for (const std::string& why : rec.refusals) EXPECT_TRUE(contains(why, reason::kBadMemfd)) << why;
+  EXPECT_TRUE(contains(rec.refusals[0], "not sealed")) << rec.refusals[0];
+  EXPECT_TRUE(contains(rec.refusals[1], "not sealed")) << rec.refusals[1];
+  EXPECT_TRUE(contains(rec.refusals[2], "not a memfd")) << rec.refusals[2];
+  EXPECT_EQ(rec.refused[0].header.handle, 10u);
+  // The stream survived, and the sealed body arrived unmapped, as an fd.
+  EXPECT_EQ(rec.closed, 0);
+  ASSERT_EQ(rec.messages.size(), 1u);
+  EXPECT_EQ(rec.messages[0].header.handle, 13u);
+  ASSERT_TRUE(rec.messages[0].sealed_body);
+  EXPECT_EQ(rec.messages[0].sealed_body->size(), 8192u);
+  close_fd(sp.b);
+}
+
+// The child reports how a payload arrived: "<memfd|inline> <size> <checksum>".
+std::string describe(const Payload& p) {
+  std::uint64_t sum = 0;
+  for (const Slice& s : p.slices())
+    for (std::size_t i = 0; i < s.size; ++i) sum = sum * 31 + s.data[i];
+  return fmt::format("{} {} {}", p.memfd() ? "memfd" : "inline", p.size(), sum);
+}
+
+int memfd_child(ChildEnv& env) {
+  Router& r = env.router();
+  r.add_handler([&r](Message&& m) { r.reply(m, m.data); }, {}, kEcho);
+  r.add_handler([&r](Message&& m) { r.reply(m, Payload::copy_of(describe(m.data))); }, {}, kDescribe);
+  env.serve();
+  return 0;
+}
+
+TEST(MemfdRouter, LargePayloadsTravelAsMemfdViewsBothWays) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, memfd_child, named("memfd-peer"));
+  // Copied once into a memfd by send(): above the 1 MiB threshold.
+  std::string big = std::string(4u << 20, '\0');
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 7 + (i >> 12));
+  Payload expect = Payload::copy_of(big);
+  EXPECT_EQ(c.call(kDescribe, expect, 20s).to_string(), describe(Payload::copy_of(big)).replace(0, 6, "memfd"));
+  // Echoed: the child resends its view, which passes the same fd back.
+  Payload back = c.call(kEcho, expect, 20s);
+  EXPECT_TRUE(back.memfd()) << "the reply came inline";
+  EXPECT_TRUE(back.to_string() == big);
+  // A fabric buffer is never copied: the receiver maps the sender's memfd.
+  Payload fabric = filled_buffer(8u << 20, 9);
+  std::string want = describe(fabric);
+  EXPECT_EQ(c.call(kDescribe, fabric, 20s).to_string(), want);
+  // Below the threshold payloads stay inline.
+  std::string small = describe(Payload::copy_of(std::string(1000, 's')));
+  EXPECT_EQ(c.call(kDescribe, Payload::copy_of(std::string(1000, 's')), 10s).to_string(), small);
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+TEST(MemfdRouter, PeerWithoutFdsGetsTheBytesInline) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = spawn_echo_on_pipes(router, "stdio-memfd");
+  Payload fabric = filled_buffer(3u << 20, 4);
+  Payload back = c.call(kEcho, fabric, 20s);
+  EXPECT_EQ(payload_bytes(back), pattern(3u << 20, 4));
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+// kill -9 of the receiver, then of the sender, mid-transfer, 20 times in
+// all: /dev/shm is untouched and this process's fd count returns to its
+// baseline once the link has closed.
+TEST(MemfdRouter, KillNineMidTransferLeavesNothingBehind) {
+  Broker broker;
+  Router router(broker, root_opts());
+  const auto shm_before = dev_shm_entries();
+  const std::size_t fds_before = open_fd_count();
+  std::atomic<int> received{0};
+  router.add_handler([&received](Message&& m) {
+    if (m.data.size() > 0) received.fetch_add(1);
+  }, {}, kStream);
+  auto wait_links_closed = [&] {
+    for (int i = 0; i < 2000 && router.stats().streams != 0; ++i) std::this_thread::sleep_for(5ms);
+    return router.stats().streams == 0;
+  };
+  const std::uint32_t root = router.id();
+  for (int round = 0; round < 20; ++round) {
+    const bool kill_receiver = round % 2 == 0;
+    Context c = fork_child(router, [root, kill_receiver](ChildEnv& env) {
+      Router& r = env.router();
+      r.add_handler([](Message&&) { ::pause(); }, {}, kStream);  // the receiver, killed while busy
+      env.ready();
+      if (!kill_receiver) {
+        // The sender: 16 MiB buffers to the root until it is killed.
+        for (std::uint32_t i = 0;; ++i) {
+          PayloadBuffer buf(16u << 20);
+          std::memset(buf.bytes().data(), static_cast<int>(i), buf.size());
+          r.send(Message::make(root, kStream, std::move(buf).seal()), 30s);
+        }
+      }
+      env.serve();
+      return 0;
+    }, named(fmt::format("victim-{}", round)));
+    if (kill_receiver) {
+      for (int i = 0; i < 3; ++i) {
+        PayloadBuffer buf(16u << 20);
+        std::memset(buf.bytes().data(), i, buf.size());
+        router.send(Message::make(c.id(), kStream, std::move(buf).seal()));
+      }
+    } else {
+      int start = received.load();
+      for (int i = 0; i < 2000 && received.load() == start; ++i) std::this_thread::sleep_for(1ms);
+    }
+    ASSERT_EQ(::kill(c.pid(), SIGKILL), 0);
+    auto st = c.wait_exit(20s);
+    ASSERT_TRUE(st.has_value());
+    EXPECT_TRUE(WIFSIGNALED(*st) && WTERMSIG(*st) == SIGKILL) << describe_wait_status(*st);
+    ASSERT_TRUE(wait_links_closed()) << "round " << round;
+  }
+  EXPECT_GT(received.load(), 0);
+  EXPECT_EQ(dev_shm_entries(), shm_before);
+  // The broker reaps each child's pidfd on its own thread: give it a moment.
+  std::size_t fds_after = open_fd_count();
+  for (int i = 0; i < 2000 && fds_after != fds_before; ++i) {
+    std::this_thread::sleep_for(5ms);
+    fds_after = open_fd_count();
+  }
+  EXPECT_EQ(fds_after, fds_before);
+}
+
+}  // namespace
+}  // namespace spindle
