@@ -4,13 +4,14 @@
 // The parent creates the buffer (a sealed memfd of fixed-size slots, one
 // seqlock word per slot) and forks three children with spindle::fork_child.
 // Everything between them goes over Spindle: ATTACH hands each child the
-// buffer, START sets them going, STOP ends their loop and its reply carries
+// buffer's memfd as a file descriptor in the message (SCM_RIGHTS), START sets them going, STOP ends their loop and its reply carries
 // the child's counts (pushes; samples, torn reads, busy or empty slots). The
 // records themselves never touch a socket: they go through shared memory.
 //
 // Each transition carries a checksum of its fields; a sampler that ever saw
 // a record whose checksum fails reports it as torn. The program exits 0 only
 // if no torn read was seen, the producer pushed and both samplers sampled.
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,16 +21,17 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <fcntl.h>
 #include <fmt/format.h>
 
 #include "broker/errors.h"
 #include "broker/log.h"
 #include "router/child.h"
+#include "stream/fds.h"
 #include "shm/records.h"
 
 namespace {
@@ -78,25 +80,22 @@ Transition make_transition(std::uint64_t step) {
   return t;
 }
 
-// --- Handing the buffer over --------------------------------------------------
-// The one place where the fd crosses to another process. fork_child closes
-// every inherited fd but its link, so for now the child reopens the parent's
-// memfd through /proc/<parent pid>/fd/<n> (the same memory, seals and all).
-// When Spindle messages can carry fds (SCM_RIGHTS), share_buffer_fd attaches
-// buffer.fd() to the ATTACH message and receive_buffer_fd takes it from the
-// message; nothing else changes.
+// The buffer travels as a file descriptor in the ATTACH message (SCM_RIGHTS
+// over the child's link): the child maps the very same memfd, with its seals.
 void share_buffer_fd(const spindle::Context& child, const SlotBuffer& buffer) {
-  std::string reply = child.call(kAttach, fmt::format("{} {}", ::getpid(), buffer.fd()));
-  spindle::log().info("{} attached: {}", child.name(), reply);
+  spindle::Message m = spindle::Message::make(child.id(), kAttach, spindle::Payload::copy_of("slot buffer"));
+  const int fd = buffer.fd();
+  m.fds = spindle::FdSet::dup_of(std::span<const int>(&fd, 1));
+  spindle::Message reply = child.router().call(std::move(m), std::chrono::seconds(10));
+  spindle::log().info("{} attached: {}", child.name(), reply.text());
 }
 
 std::unique_ptr<SlotBuffer> receive_buffer_fd(const spindle::Message& m) {
-  int pid = 0, fd = -1;
-  if (std::sscanf(m.text().c_str(), "%d %d", &pid, &fd) != 2)
-    throw spindle::Error("ATTACH expects \"<pid> <fd>\", got: " + m.text());
-  std::string path = fmt::format("/proc/{}/fd/{}", pid, fd);
-  int mine = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (mine < 0) throw spindle::Error(fmt::format("open {}: {}", path, spindle::errno_text(errno)));
+  if (m.fds.size() != 1)
+    throw spindle::Error(fmt::format("ATTACH expects one fd (the buffer's memfd), got {}", m.fds.size()));
+  // The message's fds close with it: attach() gets a duplicate of its own.
+  int mine = ::fcntl(m.fds[0], F_DUPFD_CLOEXEC, 3);
+  if (mine < 0) throw spindle::Error(fmt::format("dup of the buffer fd: {}", spindle::errno_text(errno)));
   return SlotBuffer::attach(mine);
 }
 
