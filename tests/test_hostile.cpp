@@ -3,8 +3,11 @@
 // error, a dead reply, or a logged disconnect of that peer alone, and the
 // router must keep serving a well-behaved client throughout: after each case
 // that client makes a ping call.
+#include <fcntl.h>
 #include <sys/socket.h>
 
+#include <atomic>
+#include <future>
 #include <random>
 #include <string>
 #include <vector>
@@ -13,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "router/reasons.h"
+#include "stream/fds.h"
 #include "tests/process_util.h"
 #include "tests/raw_peer.h"
 #include "tests/router_probe.h"
@@ -262,6 +266,70 @@ TEST_F(Hostile, RandomBytesDisconnectThatPeerAlone) {
   RouterCounts c;
   EXPECT_TRUE(eventually([&] { return (c = router_counts(socket())).clients == 2; }))
       << "clients=" << c.clients << " (the good client and the probe expected)";
+}
+
+// A flood of file descriptors at a receiver that has stopped reading: the
+// router charges the sender's quota of fds in flight (1024 by default) and
+// answers what is over it with a dead reply; nothing hangs, the receiver gets
+// the rest once it reads again, and everyone else is served meanwhile.
+TEST_F(Hostile, FloodOfFdsIsBoundedByTheSendersQuota) {
+  constexpr std::uint32_t kSink = 2100;
+  // Bodies big enough (but under the 1 MiB memfd threshold) to fill the
+  // receiver's socket buffer, so the fds wait in the router's queue.
+  constexpr int kMessages = 64, kFdsEach = 100;
+  constexpr std::size_t kBody = 900 * 1024;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> received{0};
+  // This fixture's router allows 4 KiB messages: start one with the default limit.
+  std::string sock = dir_.path() + "/fds.sock";
+  RouterProcess router(SPINDLE_ROUTER_BINARY, sock);
+  ASSERT_TRUE(router.wait_ready()) << router.log();
+  Connection b;
+  b.router().add_handler(
+      [&](Message&& m) {
+        if (received.fetch_add(1) == 0) released.wait();  // stop reading for a while
+        b.router().reply(m, Payload::copy_of(std::to_string(m.fds.size())));
+      },
+      {}, kSink);
+  b.connect(UnixAddress::parse(sock));
+  auto a = connect(sock);
+  auto good = connect(sock);
+  int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(devnull, 0);
+  std::vector<int> same(kFdsEach, devnull);
+  std::vector<std::future<Message>> calls;
+  for (int i = 0; i < kMessages; ++i) {
+    Message m = Message::make(b.id(), kSink, Payload::copy_of(std::string(kBody, 'f')));
+    m.fds = FdSet::dup_of(same);
+    try {
+      calls.push_back(a->router().request(std::move(m), 60s));
+    } catch (const Error& e) {
+      FAIL() << "message " << i << ": " << e.what() << "\n" << router.log();
+    }
+  }
+  ::close(devnull);
+  auto ping = [&] {
+    return services::call_text(good->router_context(), services::kPingService,
+                               services::kPingMethod, "alive", 20s);
+  };
+  EXPECT_EQ(ping(), "alive") << router.log();
+  release.set_value();
+  int delivered = 0, refused = 0;
+  for (auto& c : calls) {
+    ASSERT_EQ(c.wait_for(60s), std::future_status::ready) << "a call with fds hung";
+    try {
+      EXPECT_EQ(c.get().text(), std::to_string(kFdsEach));
+      ++delivered;
+    } catch (const ChannelError& e) {
+      EXPECT_TRUE(contains(e.what(), reason::kFdQuota)) << e.what();
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 0) << "6400 fds sent to a stalled receiver were never charged against the quota of 1024";
+  EXPECT_GT(delivered, 0);
+  EXPECT_EQ(delivered + refused, kMessages);
+  EXPECT_EQ(ping(), "alive") << router.log();
 }
 
 }  // namespace
