@@ -139,10 +139,10 @@ class RawPeer {
     }
     return false;
   }
-  // The Spindle handshake: sends the hello, reads the welcome; returns the id
-  // assigned (and records the server's). Throws Error on a refusal or timeout.
-  std::uint32_t handshake() {
-    auto hello = encode_hello(kProtocolVersion, kFlagNone, static_cast<std::uint32_t>(::getpid()));
+  // The Spindle handshake: sends the hello (with `flags`, e.g. kFlagFdPassing),
+  // reads the welcome; returns the id assigned (and records the server's). Throws Error on a refusal or timeout.
+  std::uint32_t handshake(std::uint16_t flags = kFlagNone) {
+    auto hello = encode_hello(kProtocolVersion, flags, static_cast<std::uint32_t>(::getpid()));
     write_all(hello.data(), hello.size());
     std::uint8_t w[kWelcomeSize];
     if (read_exact(w, kWelcomeSize) != static_cast<long>(kWelcomeSize) ||

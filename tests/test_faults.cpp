@@ -8,6 +8,7 @@
 // Victims are forked processes that speak raw bytes (tests/raw_peer.h) and
 // report on a pipe once they reached the moment to be killed at; they start
 // no threads, so forking them from this threaded test process is safe.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <optional>
@@ -25,6 +27,7 @@
 #include <gtest/gtest.h>
 
 #include "router/reasons.h"
+#include "stream/fd_frame.h"
 #include "services/envelope.h"
 #include "tests/process_util.h"
 #include "tests/raw_peer.h"
@@ -118,10 +121,12 @@ class Faults : public ::testing::Test {
   std::unique_ptr<RouterProcess> router_;
 };
 
-// 100 clients killed with SIGKILL: 20 mid-handshake, 40 mid-message (half a
-// 1 MiB frame written), 40 mid-call (a call of ours pending at the victim, and
+// 100 clients killed with SIGKILL: 20 mid-handshake, 20 mid-message (half a
+// 1 MiB frame written), 20 mid-fd-transfer (an SF frame whose 8 fds arrived
+// with its first bytes, half its body written: the router must close them),
+// 40 mid-call (a call of ours pending at the victim, and
 // the victim's own call to the router's ping service unanswered).
-TEST_F(Faults, KillNineClientsMidHandshakeMidMessageMidCall) {
+TEST_F(Faults, KillNineClientsMidHandshakeMidMessageMidFdTransferMidCall) {
   start_router();
   RouterCounts before;
   ASSERT_TRUE(eventually([&] { return (before = router_counts(socket())).clients == 1; }));
@@ -134,10 +139,11 @@ TEST_F(Faults, KillNineClientsMidHandshakeMidMessageMidCall) {
   ASSERT_EQ(::pipe2(pipefd, O_CLOEXEC), 0);
   const std::uint32_t sink_id = sink->id();
   double slowest_ms = 0;
-  int kinds[3] = {0, 0, 0};
+  int kinds[4] = {0, 0, 0, 0};
 
   for (int i = 0; i < 100; ++i) {
-    const int kind = i % 5 == 0 ? 0 : (i % 5 <= 2 ? 1 : 2);
+    // 20 mid-handshake, 20 mid-message, 20 mid-fd-transfer, 40 mid-call.
+    const int kind = i % 5 == 0 ? 0 : i % 5 == 1 ? 1 : i % 5 == 2 ? 3 : 2;
     ++kinds[kind];
     SCOPED_TRACE(fmt::format("iteration {} kind {}", i, kind));
     pid_t pid = fork_victim(address(), pipefd[1], [&](RawPeer& p, int report) {
@@ -145,7 +151,38 @@ TEST_F(Faults, KillNineClientsMidHandshakeMidMessageMidCall) {
         p.write_all("SPD");
         return report_u32(report, 0);
       }
-      std::uint32_t me = p.handshake();
+      std::uint32_t me = p.handshake(kind == 3 ? kFlagFdPassing : kFlagNone);
+      if (kind == 3) {  // an SF frame with 8 fds attached, half of its 1 MiB body written
+        Header h = frame(sink_id, me, me, kSink, 0);
+        h.enc = kEncFds;
+        h.length = static_cast<std::uint32_t>(kFdPrefixSize + (1u << 20));
+        HeaderBytes hb = encode_header(h);
+        auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, 8, 0});
+        std::string head(reinterpret_cast<const char*>(hb.data()), hb.size());
+        head.append(reinterpret_cast<const char*>(prefix.data()), prefix.size());
+        head.append(256 * 1024, 'f');
+        std::vector<int> fds;
+        for (int k = 0; k < 4; ++k) {
+          int pp[2];
+          if (::pipe2(pp, O_CLOEXEC) != 0) ::_exit(6);
+          fds.insert(fds.end(), {pp[0], pp[1]});
+        }
+        iovec iov{head.data(), head.size()};
+        std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+        msghdr mh{};
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = control.data();
+        mh.msg_controllen = control.size();
+        cmsghdr* c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+        if (::sendmsg(p.fd, &mh, MSG_NOSIGNAL) != static_cast<ssize_t>(head.size())) ::_exit(7);
+        p.write_all(std::string(256 * 1024, 'f'));
+        return report_u32(report, me);
+      }
       if (kind == 1) {  // half of a 1 MiB frame to the sink
         Header h = frame(sink_id, me, me, kSink, 0);
         h.length = 1u << 20;
@@ -187,9 +224,9 @@ TEST_F(Faults, KillNineClientsMidHandshakeMidMessageMidCall) {
   }
   ::close(pipefd[0]);
   ::close(pipefd[1]);
-  std::printf("killed %d mid-handshake, %d mid-message, %d mid-call; slowest pending-call "
-              "failure after the kill: %.1f ms\n",
-              kinds[0], kinds[1], kinds[2], slowest_ms);
+  std::printf("killed %d mid-handshake, %d mid-message, %d mid-fd-transfer, %d mid-call; slowest "
+              "pending-call failure after the kill: %.1f ms\n",
+              kinds[0], kinds[1], kinds[3], kinds[2], slowest_ms);
   RecordProperty("slowest_pending_call_failure_ms", fmt::format("{:.1f}", slowest_ms));
   EXPECT_EQ(sunk.load(), 0) << "half a frame was delivered";
   expect_ping(*caller, "after the killing");
