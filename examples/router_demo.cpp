@@ -54,6 +54,7 @@ constexpr std::uint32_t kUpper = 2000;
     std::uint32_t id = conn.id();
     if (::write(report_fd, &id, sizeof id) != sizeof id) ::_exit(3);
     conn.broker().wait_for_shutdown_request();  // the router said SHUTDOWN, or went away
+    conn.close();  // joins the broker thread before the process ends
     ::_exit(0);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "worker: %s\n", e.what());
