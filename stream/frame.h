@@ -44,7 +44,7 @@ enum Handle : std::uint32_t {
   kHandleDelRoute = 104,     // payload: ASCII "id"
   kHandleAllocateId = 105,   // request: empty; reply payload: ASCII "id"
   kHandleShutdown = 106,     // payload: empty
-  kHandleCallService = 110,  // reserved for the services issue
+  kHandleCallService = 110,  // service calls (services/host.h, PROTOCOL.md §12)
   kHandleIsDead = 999,       // only ever in reply_to: "this is a dead message"
   kFirstDynamicHandle = 1000,
 };
