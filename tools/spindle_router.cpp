@@ -11,6 +11,7 @@
 //   1  a runtime or setup error (cannot bind, bad systemd socket, ...)
 //   2  a usage error (bad option or value)
 //   3  another process already listens on the address
+#include <pthread.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -149,22 +150,18 @@ int run(const Config& c) {
     std::string path = c.listener.address.name;
     spindle::ensure_private_dir(path.substr(0, path.rfind('/')));
   }
+  // Hold SIGINT/SIGTERM until the handler below is armed: a signal in
+  // between stays pending instead of killing the process without a goodbye.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  ::pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   spindle::Broker broker(spindle::Broker::Options{c.grace});
   spindle::Router router(broker, c.router);
-  spindle::services::Pool pool(c.pool);
-  spindle::services::ServiceHost host(router, pool);
-  std::unique_ptr<spindle::Listener> listener;
-  try {
-    listener = spindle::Listener::open(router, c.listener);
-  } catch (const spindle::Error& e) {
-    log().error("{}", e.what());
-    return std::strstr(e.what(), "another process is listening") ? kExitInUse : kExitError;
-  }
-  host.add(spindle::services::make_ping_service());
-  host.add(spindle::services::make_stats_service(router, listener.get()));
-  listener->start();
-  // Signals are taken on the broker thread: a handler there may log and shut
-  // down, which a plain signal handler may not.
+  // Signals are taken on the broker thread (a handler there may log and shut
+  // down, which a plain signal handler may not), and armed before the socket
+  // exists: a SIGTERM during start-up is a graceful shutdown too.
   std::promise<void> armed;
   asio::signal_set signals(broker.io());
   int received = 0;
@@ -186,6 +183,25 @@ int run(const Config& c) {
     armed.set_value();
   });
   armed.get_future().wait();
+  // Asio's handler runs in this thread from now on (the broker thread keeps
+  // them blocked) and hands the signal to the broker thread.
+  ::pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
+  spindle::services::Pool pool(c.pool);
+  spindle::services::ServiceHost host(router, pool);
+  std::unique_ptr<spindle::Listener> listener;
+  try {
+    listener = spindle::Listener::open(router, c.listener);
+  } catch (const spindle::Error& e) {
+    log().error("{}", e.what());
+    return std::strstr(e.what(), "another process is listening") ? kExitInUse : kExitError;
+  }
+  host.add(spindle::services::make_ping_service());
+  host.add(spindle::services::make_stats_service(router, listener.get()));
+  try {
+    listener->start();
+  } catch (const spindle::ShutdownError&) {
+    log().info("shutdown requested during start-up: not accepting clients");
+  }
   log().info("spindle-router {} ready: pid {}, listening on {}, max message {} bytes{}",
              SPINDLE_VERSION, ::getpid(), listener->address(), c.router.max_message_size,
              c.router.unidirectional ? ", unidirectional" : "");
