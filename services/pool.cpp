@@ -9,6 +9,8 @@
 // thread on a join.
 #include "services/pool.h"
 
+#include <thread>
+
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -44,6 +46,13 @@ Pool::Pool(PoolOptions opts) : opts_(std::move(opts)) {
       throw;
     }
   }
+  // Return only once every worker sleeps in take(): a worker still starting
+  // up (naming itself, allocating) may hold the allocator's lock, and a
+  // fork() at that moment would hand the child that lock held forever (seen
+  // under ASan: a child forked right after a pool was made never finished
+  // its handshake). Asleep on its futex word, a worker holds nothing.
+  while (lanes_.stats().idle < opts_.threads)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
 Pool::~Pool() {
