@@ -5,6 +5,8 @@
 namespace spindle {
 
 std::optional<std::uint32_t> parse_context_id(std::string_view s) {
+  // At most 10 digits (4294967295): no run of leading zeros is an id.
+  if (s.size() > 10) return std::nullopt;
   std::uint32_t v = 0;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (s.empty() || ec != std::errc() || p != s.data() + s.size()) return std::nullopt;
