@@ -45,6 +45,7 @@
 #include "services/host.h"
 #include "services/lanes.h"
 #include "services/pool.h"
+#include "tests/process_util.h"
 
 namespace {
 
@@ -69,16 +70,6 @@ long voluntary_switches(pid_t tid) {
   while (std::getline(in, line))
     if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
   return 0;
-}
-
-std::size_t open_fds() {
-  std::size_t n = 0;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (dirent* e = ::readdir(d))
-      if (e->d_name[0] != '.') ++n;
-    ::closedir(d);
-  }
-  return n;
 }
 
 // ---------------------------------------------------------------- wake
@@ -311,13 +302,13 @@ void section_calls(int calls) {
 }
 
 void section_fds() {
-  std::size_t before = open_fds();
+  std::size_t before = testutil::count_open_fds();
   services::PoolOptions po;
   po.threads = 64;
   services::Pool pool(po);
   auto until = Clock::now() + 30s;
   while (pool.stats().idle < 64 && Clock::now() < until) std::this_thread::sleep_for(1ms);
-  std::size_t after = open_fds();
+  std::size_t after = testutil::count_open_fds();
   check(pool.stats().idle == 64, "64 workers idle");
   std::printf("\n== fds: a 64-worker pool opened %zd fds: %.2f per worker (Mitogen: 2 per sleeping thread) ==\n",
               static_cast<long>(after) - static_cast<long>(before),

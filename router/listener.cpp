@@ -191,8 +191,6 @@ Listener::~Listener() {
     stop_accepting();
   }
   if (reserve_fd_ >= 0) ::close(reserve_fd_);
-  if (fd_ >= 0) ::close(fd_);  // never started
-  if (unlink_path_) ::unlink(unlink_path_->c_str());
 }
 
 ListenerStats Listener::stats() {
@@ -325,13 +323,17 @@ void Listener::admit(int fd) {
   router_.add_client_stream(fd, fmt::format("client.pid{}", cr.pid), std::move(hs), o);
 }
 
+// Idempotent; also cleans up after a listener that was opened but never started.
 void Listener::stop_accepting() {
-  if (!accepting_ && !socket_.is_open()) return;
   accepting_ = false;
   *alive_ = false;
   pause_.cancel();
   std::error_code ec;
   socket_.close(ec);
+  if (fd_ >= 0) {  // opened, never started
+    ::close(fd_);
+    fd_ = -1;
+  }
   if (unlink_path_) {
     if (::unlink(unlink_path_->c_str()) != 0 && errno != ENOENT)
       log().warn("listener: cannot remove {}: {}", *unlink_path_, errno_text(errno));

@@ -22,6 +22,7 @@
 #include "stream/fd_frame.h"
 #include "stream/fds.h"
 #include "router/child.h"
+#include "tests/process_util.h"
 #include "tests/stream_test_util.h"
 
 namespace spindle::testutil {
@@ -36,16 +37,6 @@ inline std::pair<dev_t, ino_t> fd_identity(int fd) {
 inline bool has_cloexec(int fd) {
   int fl = ::fcntl(fd, F_GETFD);
   return fl >= 0 && (fl & FD_CLOEXEC);
-}
-
-inline std::size_t open_fd_count() {
-  std::size_t n = 0;
-  DIR* d = ::opendir("/proc/self/fd");
-  if (!d) return 0;
-  while (dirent* e = ::readdir(d))
-    if (e->d_name[0] != '.') ++n;
-  ::closedir(d);
-  return n - 1;  // the directory's own fd
 }
 
 inline std::set<std::string> dev_shm_entries() {

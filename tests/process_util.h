@@ -3,6 +3,7 @@
 // spindle-router process.
 #pragma once
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -76,14 +77,16 @@ inline bool closed_by_peer(int fd, std::chrono::milliseconds timeout) {
   }
 }
 
+// Open fds of `pid` (0: this process), not counting the one used to list them.
 inline std::size_t count_open_fds(pid_t pid = 0) {
   std::string dir = pid ? "/proc/" + std::to_string(pid) + "/fd" : "/proc/self/fd";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) throw Error("cannot open " + dir + ": " + errno_text(errno));
   std::size_t n = 0;
-  for (auto& e : std::filesystem::directory_iterator(dir)) {
-    (void)e;
-    ++n;
-  }
-  return n;
+  while (dirent* e = ::readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  ::closedir(d);
+  return pid ? n : n - 1;  // our own listing fd is in /proc/self/fd
 }
 
 // A real spindle-router process; stderr goes to <dir>/router.log. `wrapper`

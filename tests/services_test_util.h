@@ -7,10 +7,12 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include <gtest/gtest.h>
 
+#include "broker/errors.h"
 #include "router/context.h"
 #include "router/router.h"
 #include "services/client.h"
@@ -71,5 +73,17 @@ struct ServiceRig {
   services::ServiceHost host;
   Context self;
 };
+
+// The reason of the dead reply a call got, or "" if it did not get one.
+inline std::string dead_reason(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const ChannelError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception: ") + e.what();
+  }
+  return "";
+}
 
 }  // namespace spindle::testutil

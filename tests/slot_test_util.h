@@ -8,7 +8,6 @@
 // Thread safety: pure functions. Ownership: none.
 #pragma once
 
-#include <dirent.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -54,16 +53,6 @@ inline bool verify_stamp(std::span<const std::byte> bytes) {
   std::uint64_t stored;
   std::memcpy(&stored, bytes.data() + (n - 1) * 8, 8);
   return stored == sum;
-}
-
-inline int count_open_fds() {
-  DIR* d = ::opendir("/proc/self/fd");
-  if (d == nullptr) throw std::runtime_error("cannot open /proc/self/fd");
-  int n = 0;
-  while (dirent* e = ::readdir(d))
-    if (e->d_name[0] != '.') ++n;
-  ::closedir(d);
-  return n - 1;  // the DIR's own fd
 }
 
 }  // namespace spindle::testutil

@@ -29,6 +29,7 @@
 #include "router/reasons.h"
 #include "stream/fd_frame.h"
 #include "services/envelope.h"
+#include "tests/fds_test_util.h"
 #include "tests/process_util.h"
 #include "tests/raw_peer.h"
 #include "tests/router_probe.h"
@@ -167,19 +168,8 @@ TEST_F(Faults, KillNineClientsMidHandshakeMidMessageMidFdTransferMidCall) {
           if (::pipe2(pp, O_CLOEXEC) != 0) ::_exit(6);
           fds.insert(fds.end(), {pp[0], pp[1]});
         }
-        iovec iov{head.data(), head.size()};
-        std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
-        msghdr mh{};
-        mh.msg_iov = &iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = control.data();
-        mh.msg_controllen = control.size();
-        cmsghdr* c = CMSG_FIRSTHDR(&mh);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-        if (::sendmsg(p.fd, &mh, MSG_NOSIGNAL) != static_cast<ssize_t>(head.size())) ::_exit(7);
+        auto bytes = std::span(reinterpret_cast<const std::uint8_t*>(head.data()), head.size());
+        if (!send_with_fds(p.fd, bytes, fds)) ::_exit(7);
         p.write_all(std::string(256 * 1024, 'f'));
         return report_u32(report, me);
       }

@@ -158,7 +158,7 @@ TEST(MemfdRouter, KillNineMidTransferLeavesNothingBehind) {
   Broker broker;
   Router router(broker, root_opts());
   const auto shm_before = dev_shm_entries();
-  const std::size_t fds_before = open_fd_count();
+  const std::size_t fds_before = count_open_fds();
   std::atomic<int> received{0};
   router.add_handler([&received](Message&& m) {
     if (m.data.size() > 0) received.fetch_add(1);
@@ -204,10 +204,10 @@ TEST(MemfdRouter, KillNineMidTransferLeavesNothingBehind) {
   EXPECT_GT(received.load(), 0);
   EXPECT_EQ(dev_shm_entries(), shm_before);
   // The broker reaps each child's pidfd on its own thread: give it a moment.
-  std::size_t fds_after = open_fd_count();
+  std::size_t fds_after = count_open_fds();
   for (int i = 0; i < 2000 && fds_after != fds_before; ++i) {
     std::this_thread::sleep_for(5ms);
-    fds_after = open_fd_count();
+    fds_after = count_open_fds();
   }
   EXPECT_EQ(fds_after, fds_before);
 }

@@ -38,18 +38,6 @@ std::unique_ptr<Service> sample_service() {
   return s;
 }
 
-// The reason of the dead reply a call got, or "" if it did not get one.
-std::string dead_reason(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const ChannelError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("wrong exception: ") + e.what();
-  }
-  return "";
-}
-
 TEST(ServicesCalls, ResultAndCallerIds) {
   ServiceRig rig(2);
   rig.add(sample_service());

@@ -3,7 +3,6 @@
 // and the three run modes. Calls go to the root's own services through its
 // router ("self"), so every message takes the real path: broker thread,
 // CALL_SERVICE handler, lane, worker, reply.
-#include <dirent.h>
 
 #include <atomic>
 #include <fstream>
@@ -15,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "broker/errors.h"
+#include "tests/process_util.h"
 #include "tests/services_test_util.h"
 
 namespace spindle {
@@ -26,16 +26,6 @@ using services::Access;
 using services::Request;
 using services::RunMode;
 using services::Service;
-
-std::size_t open_fds() {
-  std::size_t n = 0;
-  DIR* d = ::opendir("/proc/self/fd");
-  if (!d) return 0;
-  while (dirent* e = ::readdir(d))
-    if (e->d_name[0] != '.') ++n;
-  ::closedir(d);
-  return n - 1;  // the directory's own fd
-}
 
 // voluntary_ctxt_switches of one thread: each sleep on a futex is one.
 long voluntary_switches(pid_t tid) {
@@ -104,12 +94,12 @@ TEST(ServicesPool, BusyWorkerTakesQueuedWorkWithoutWakeUps) {
 }
 
 TEST(ServicesPool, SixtyFourWorkersOpenNoFds) {
-  std::size_t before = open_fds();
+  std::size_t before = count_open_fds();
   services::Pool pool(pool_of(64));
   ASSERT_TRUE(eventually([&] { return pool.stats().idle == 64; }));
-  EXPECT_EQ(open_fds(), before);
+  EXPECT_EQ(count_open_fds(), before);
   pool.stop();
-  EXPECT_EQ(open_fds(), before);
+  EXPECT_EQ(count_open_fds(), before);
 }
 
 TEST(ServicesPool, BadThreadCountIsRefused) {

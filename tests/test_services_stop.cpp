@@ -32,17 +32,6 @@ class Counted : public Service {
   std::atomic<int>& shutdowns_;
 };
 
-std::string dead_text(std::future<Message>& f) {
-  try {
-    f.get();
-  } catch (const ChannelError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("wrong exception: ") + e.what();
-  }
-  return "";
-}
-
 TEST(ServicesStop, StopFromInsideAHandlerThenRequestsAfterStop) {
   std::atomic<int> shutdowns{0};
   ServiceRig rig(2);
@@ -58,7 +47,7 @@ TEST(ServicesStop, StopFromInsideAHandlerThenRequestsAfterStop) {
   EXPECT_EQ(services::call_text(rig.self, "counted", "stop"), "stopping");
   EXPECT_TRUE(rig.pool.stopping());
   auto after = services::call_async(rig.self, "counted", "echo", Payload::copy_of("too late"));
-  std::string r = dead_text(after);
+  std::string r = dead_reason([&] { after.get(); });
   EXPECT_TRUE(contains(r, services::reason::kShuttingDown)) << r;
   rig.pool.stop();  // from outside: joins
   EXPECT_EQ(shutdowns.load(), 1);
@@ -89,7 +78,7 @@ TEST(ServicesStop, InFlightCallFinishesQueuedCallsPastTheDeadlineAreAnswered) {
   stopper.join();
   EXPECT_EQ(inflight.get().text(), "finished");
   for (auto& f : queued) {
-    std::string r = dead_text(f);
+    std::string r = dead_reason([&] { f.get(); });
     EXPECT_TRUE(contains(r, services::reason::kStopDeadline)) << r;
   }
   EXPECT_EQ(shutdowns.load(), 1);

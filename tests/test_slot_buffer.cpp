@@ -17,6 +17,7 @@
 
 #include "shm/records.h"
 #include "shm/slot_buffer.h"
+#include "tests/process_util.h"
 #include "tests/slot_test_util.h"
 
 namespace spindle::shm {
@@ -202,7 +203,7 @@ TEST(SlotBuffer, StampDetectsATornMix) {
 
 // A million slots, every one locked at the same moment: still one fd.
 TEST(SlotBuffer, FdCountIsConstantAtAMillionSlots) {
-  const int baseline = testutil::count_open_fds();
+  const std::size_t baseline = testutil::count_open_fds();
   auto small = SlotBuffer::create({1000, 16});
   EXPECT_EQ(testutil::count_open_fds(), baseline + 1);
   auto big = SlotBuffer::create({1'000'000, 16});
