@@ -69,6 +69,10 @@ void Context::send(std::uint32_t handle, Payload data) const {
   router_->send(Message::make(id_, handle, std::move(data)));
 }
 
+void Context::send(std::uint32_t handle, std::string_view bytes) const {
+  router_->send(Message::make(id_, handle, Payload::copy_of(bytes)));
+}
+
 void Context::shutdown() const {
   router_->send(Message::make(id_, kHandleShutdown, {}, kEncMitogen));
 }

@@ -64,6 +64,9 @@ class Context {
   std::future<Message> call_async(std::uint32_t handle, Payload data,
                                   std::chrono::milliseconds timeout = kDefaultTimeout) const;
   void send(std::uint32_t handle, Payload data) const;
+  // The same for bytes the caller keeps: they are copied into the send queue
+  // (no Payload of their own).
+  void send(std::uint32_t handle, std::string_view bytes) const;
   // Asks the context to shut down gracefully (SHUTDOWN).
   void shutdown() const;
   // Child processes only: waits for exit and returns the wait status.

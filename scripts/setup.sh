@@ -16,6 +16,8 @@ PACKAGES=(
   python3-mitogen   # the interop test runs stock Mitogen 0.3 against spindle-router
   clang             # scripts/fuzz.sh: the fuzzers are built with clang's libFuzzer
   libclang-rt-14-dev  # libFuzzer and clang's ASan/UBSan runtimes (libclang_rt.fuzzer*.a)
+  libzmq3-dev       # bench_router's peer row: ZeroMQ's zmq_proxy beside spindle-router
+  libmsgpack-cxx-dev  # typed calls: msgpack-c++ (header-only, used with MSGPACK_NO_BOOST)
 )
 
 missing=()
