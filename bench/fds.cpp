@@ -35,7 +35,7 @@
 
 #include "broker/log.h"
 #include "router/child.h"
-#include "shm/memfd.h"
+#include "stream/memfd.h"
 
 namespace {
 

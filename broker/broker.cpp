@@ -1,17 +1,23 @@
-// The defer queue is a mutex-guarded vector swapped out whole by the loop, with
-// one flag saying a wake-up is already on its way. A producer posts to the
-// io_context only when it turns the flag on; the loop turns it off before it
-// takes the batch, so a function queued after the swap posts a fresh wake-up
-// and is never stranded.
+// The defer queue is a Boost.Lockfree queue of heap-held tasks, with one flag
+// saying a wake-up is already on its way. A producer writes the eventfd only
+// when it turns the flag on; the loop turns it off before it drains, so a
+// function queued after the drain began writes a fresh wake-up and is never
+// stranded. No producer takes a lock.
 //
-// Finishing takes the same mutex to set closed_ and collect the last batch, so
-// every defer() either lands in a batch that runs or sees closed_ and throws.
+// Finishing sets closed_ and then waits until no producer is between its
+// closed_ check and its push (producers_), so every defer() either lands in a
+// batch that runs or sees closed_ and throws.
 #include "broker/broker.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <system_error>
 
 #include <asio/executor_work_guard.hpp>
 #include <asio/post.hpp>
@@ -23,7 +29,11 @@ namespace spindle {
 
 Broker::Broker() : Broker(Options{}) {}
 
-Broker::Broker(Options opts) : opts_(opts) {
+Broker::Broker(Options opts) : opts_(opts), waker_(io_) {
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+  waker_.assign(wake_fd_);
+  arm_waker();
   thread_ = std::thread([this] { run(); });
 }
 
@@ -31,6 +41,11 @@ Broker::~Broker() {
   shutdown();
   if (!on_broker_thread() && thread_.joinable()) thread_.join();
   if (thread_.joinable()) thread_.detach();  // destroyed from its own thread: cannot join
+  reap_children();
+  // Tasks accepted but never run cannot exist (finish() ran them all); any
+  // left over from a broker that never ran are freed here.
+  Task* t;
+  while (tasks_.pop(t)) delete t;
 }
 
 void Broker::run() {
@@ -54,9 +69,34 @@ void Broker::run() {
     } catch (const std::exception& e) {
       // A handler threw: log it and keep serving everyone else.
       log().error("broker: handler threw: {}", e.what());
+    } catch (...) {
+      log().error("broker: handler threw a non-standard exception");
     }
   }
   finish();
+}
+
+bool Broker::enter_producer() {
+  producers_.fetch_add(1);
+  if (closed_.load()) {
+    producers_.fetch_sub(1);
+    return false;
+  }
+  return true;
+}
+
+bool Broker::push_task(std::function<void()> fn) {
+  if (!enter_producer()) return false;
+  auto* t = new Task{std::move(fn)};
+  if (!tasks_.push(t)) {  // out of memory for a node
+    delete t;
+    producers_.fetch_sub(1);
+    throw std::bad_alloc();
+  }
+  producers_.fetch_sub(1);
+  deferred_count_.fetch_add(1, std::memory_order_relaxed);
+  wake();
+  return true;
 }
 
 bool Broker::try_defer(std::function<void()> fn) {
@@ -64,46 +104,91 @@ bool Broker::try_defer(std::function<void()> fn) {
     fn();
     return true;
   }
-  bool post = false;
-  {
-    std::lock_guard lk(defer_mu_);
-    if (closed_) return false;
-    deferred_.push_back(std::move(fn));
-    ++stats_.deferred;
-    if (!wake_posted_) {
-      wake_posted_ = true;
-      ++stats_.wakeups_posted;
-      post = true;
-    }
-  }
-  if (post) asio::post(io_, [this] { drain_deferred(); });
-  return true;
+  return push_task(std::move(fn));
 }
+
+bool Broker::try_post(std::function<void()> fn) { return push_task(std::move(fn)); }
 
 void Broker::defer(std::function<void()> fn) {
   if (!try_defer(std::move(fn))) throw ShutdownError(std::string(errtext::kBrokerShutDown));
 }
 
-void Broker::drain_deferred() {
-  std::vector<std::function<void()>> batch;
-  {
-    std::lock_guard lk(defer_mu_);
-    wake_posted_ = false;
-    batch.swap(deferred_);
-    ++stats_.drains;
+void Broker::wake() {
+  if (wake_pending_.load(std::memory_order_acquire) || wake_pending_.exchange(true)) return;
+  wakeups_.fetch_add(1, std::memory_order_relaxed);
+  std::uint64_t one = 1;
+  ssize_t n;
+  do {
+    n = ::write(wake_fd_, &one, sizeof one);
+  } while (n < 0 && errno == EINTR);
+  // EAGAIN: the counter is full, so a wake-up is pending anyway.
+  if (n < 0 && errno != EAGAIN)
+    log().error("broker: cannot wake the loop: write(eventfd): {}", errno_text(errno));
+}
+
+void Broker::arm_waker() {
+  waker_.async_wait(asio::posix::descriptor_base::wait_read, [this](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted) return;
+    on_waker();
+  });
+}
+
+void Broker::on_waker() {
+  std::uint64_t count;
+  while (::read(wake_fd_, &count, sizeof count) < 0 && errno == EINTR) {
   }
-  for (auto& fn : batch) {
+  // Off before draining: whatever is queued from here on brings a new wake.
+  wake_pending_.store(false);
+  // The sinks (the router's outbox) first, and again before each deferred
+  // function: a thread that sends and then asks for something else (a
+  // shutdown) has its messages handled first.
+  run_sinks();
+  if (drain_deferred()) run_sinks();
+  arm_waker();
+}
+
+void Broker::run_sinks() {
+  for (std::size_t i = 0; i < wake_sinks_.size(); ++i) wake_sinks_[i].second();
+}
+
+// Runs what is queued now. Returns false if the queue was empty.
+bool Broker::drain_deferred() {
+  drains_.fetch_add(1, std::memory_order_relaxed);
+  bool any = false;
+  Task* t;
+  while (tasks_.pop(t)) {
+    any = true;
+    std::unique_ptr<Task> owned(t);
+    // Whatever the task's thread sent before deferring it is visible now
+    // (the pop synchronises with the push): route it first, so a thread
+    // that sends and then asks for a shutdown is obeyed in that order.
+    run_sinks();
     try {
-      fn();
+      owned->fn();
     } catch (const std::exception& e) {
       log().error("broker: deferred function threw: {}", e.what());
+    } catch (...) {
+      log().error("broker: deferred function threw a non-standard exception");
     }
   }
+  return any;
+}
+
+int Broker::on_wake(std::function<void()> sink) {
+  wake_sinks_.emplace_back(next_sink_, std::move(sink));
+  return next_sink_++;
+}
+
+void Broker::remove_wake_sink(int id) {
+  for (auto it = wake_sinks_.begin(); it != wake_sinks_.end(); ++it)
+    if (it->first == id) {
+      wake_sinks_.erase(it);
+      return;
+    }
 }
 
 Broker::Stats Broker::stats() const {
-  std::lock_guard lk(defer_mu_);
-  return stats_;
+  return Stats{deferred_count_.load(), wakeups_.load(), drains_.load()};
 }
 
 // A timer requested from another thread is created later, on the broker
@@ -117,12 +202,12 @@ Broker::TimerId Broker::call_later(std::chrono::nanoseconds delay, std::function
     return id;
   }
   {
-    std::lock_guard lk(defer_mu_);
+    std::lock_guard lk(timers_mu_);
     unborn_timers_.insert(id);
   }
   defer([this, id, delay, fn = std::move(fn)]() mutable {
     {
-      std::lock_guard lk(defer_mu_);
+      std::lock_guard lk(timers_mu_);
       if (!unborn_timers_.erase(id)) return;  // cancelled before it was created
     }
     create_timer(id, delay, std::move(fn));
@@ -142,7 +227,7 @@ void Broker::create_timer(TimerId id, std::chrono::nanoseconds delay, std::funct
 
 void Broker::cancel_timer(TimerId id) {
   {
-    std::lock_guard lk(defer_mu_);
+    std::lock_guard lk(timers_mu_);
     if (unborn_timers_.erase(id)) return;
   }
   try_defer([this, id] {
@@ -151,6 +236,48 @@ void Broker::cancel_timer(TimerId id) {
     it->second->cancel();
     timers_.erase(it);
   });
+}
+
+void Broker::watch_child(std::shared_ptr<ChildProcess> child, std::function<void(int)> on_exit) {
+  {
+    std::lock_guard lk(children_mu_);
+    children_.push_back(child);
+  }
+  // The broker watches its own duplicate, so ChildProcess::wait() can poll
+  // the original from another thread.
+  int fd = ::fcntl(child->pidfd(), F_DUPFD_CLOEXEC, 3);
+  if (fd < 0) {
+    log().warn("dup(pidfd) of pid {}: {}; it is reaped by wait() or when the broker ends",
+               child->pid(), errno_text(errno));
+    return;
+  }
+  try_defer([this, fd, child, on_exit = std::move(on_exit)] {
+    auto watch = std::make_shared<asio::posix::stream_descriptor>(io_, fd);
+    watch->async_wait(asio::posix::descriptor_base::wait_read,
+                      [this, watch, child, on_exit](const std::error_code& ec) {
+                        if (ec == asio::error::operation_aborted) return;
+                        auto st = child->reap();
+                        {
+                          std::lock_guard lk(children_mu_);
+                          std::erase(children_, child);
+                        }
+                        if (st && on_exit) on_exit(*st);
+                      });
+  });
+}
+
+// After the loop: every child still registered is reaped, waiting out the
+// shutdown grace for it to exit on its own (its parent link has closed).
+void Broker::reap_children() {
+  std::vector<std::shared_ptr<ChildProcess>> left;
+  {
+    std::lock_guard lk(children_mu_);
+    left.swap(children_);
+  }
+  for (auto& c : left) {
+    int st = c->finish(opts_.shutdown_grace);
+    log().debug("broker: reaped child pid={}: {}", c->pid(), describe_wait_status(st));
+  }
 }
 
 void Broker::shutdown() { shutdown(opts_.shutdown_grace); }
@@ -163,11 +290,11 @@ void Broker::shutdown(std::chrono::milliseconds grace) {
   }
   if (again) {
     // A later request may only shorten the grace period (a second Ctrl-C).
-    try_defer([this, grace] { shorten_grace(grace); });
+    try_post([this, grace] { shorten_grace(grace); });
     return;
   }
   request_cv_.notify_all();
-  try_defer([this, grace] { begin_shutdown(grace); });
+  try_post([this, grace] { begin_shutdown(grace); });
 }
 
 void Broker::wait_for_shutdown_request() {
@@ -270,28 +397,22 @@ void Broker::maybe_finish() {
 }
 
 // Runs on the broker thread after the loop ended: runs every deferred function
-// accepted so far, then refuses all later ones.
+// accepted so far (and the wake sinks, whose queues may hold work too), then
+// refuses all later ones.
 void Broker::finish() {
-  while (true) {
-    std::vector<std::function<void()>> batch;
-    {
-      std::lock_guard lk(defer_mu_);
-      if (deferred_.empty()) {
-        closed_ = true;
-        break;
-      }
-      batch.swap(deferred_);
-    }
-    for (auto& fn : batch) {
-      try {
-        fn();
-      } catch (const std::exception& e) {
-        log().error("broker: deferred function threw during shutdown: {}", e.what());
-      }
-    }
+  closed_.store(true);
+  // A producer may be waiting for room in a sink's queue: keep draining.
+  while (producers_.load() != 0) {
+    run_sinks();
+    std::this_thread::yield();
   }
+  do {
+    run_sinks();
+  } while (drain_deferred());
   timers_.clear();
   deadline_.reset();
+  // The eventfd stays open until the destructor: a late wake() from another
+  // thread must write to it, never to a number reused by something else.
   state_.store(State::kStopped, std::memory_order_release);
   shutdown_requested_.store(true);
   log().debug("broker: stopped");

@@ -2,11 +2,18 @@
 //
 // Role: owns an asio::io_context and the thread that runs it. Everything that
 // touches a socket runs on that thread. Other threads reach it only through
-// defer(), which queues a function and wakes the loop at most once per batch:
-// the first defer() into an empty queue posts one wake-up, later ones ride on
-// it, so 10,000 defers from another thread cost a handful of syscalls, not
-// 10,000. When nothing is queued and no timer is armed the thread sleeps in
-// epoll_wait with no timeout: zero wake-ups per second while idle.
+// defer() (or post()), which queue a function on a lock-free queue
+// (Boost.Lockfree) and wake the loop at most once per batch: the producer
+// that finds no wake-up pending writes the broker's eventfd, later ones ride
+// on it, so 10,000 defers from another thread cost a handful of syscalls, not
+// 10,000, and no producer ever takes a lock. Other queues (the router's
+// outbox) share the same wake-up: wake() and on_wake(). When nothing is
+// queued and no timer is armed the thread sleeps in epoll_wait with no
+// timeout: zero wake-ups per second while idle.
+//
+// Children: child processes registered with watch_child() are reaped when
+// they exit; the destructor reaps those still running (after the shutdown
+// grace, SIGKILL): a process using Spindle leaves no zombies.
 //
 // Shutdown (any thread, idempotent): the broker stops accepting new work,
 // tells every ShutdownParticipant to drain (flush, say goodbye), and force-
@@ -15,9 +22,10 @@
 // functions still queued when the loop ends; defer() after that throws
 // ShutdownError. Nothing accepted is dropped, nothing refused is silent.
 //
-// Thread safety: defer(), call_later(), cancel_timer(), shutdown(), join(),
-// and the state queries are safe from any thread. io() and the participant
-// calls are for the broker thread only.
+// Thread safety: defer(), post(), wake(), call_later(), cancel_timer(),
+// shutdown(), join(), watch_child() and the state queries are safe from any
+// thread. io(), on_wake() and the participant calls are for the broker
+// thread only.
 // Ownership: the owner of a Broker destroys it; the destructor shuts down and
 // joins. Participants are borrowed and must unregister before they die.
 #pragma once
@@ -36,7 +44,11 @@
 #include <vector>
 
 #include <asio/io_context.hpp>
+#include <asio/posix/stream_descriptor.hpp>
 #include <asio/steady_timer.hpp>
+#include <boost/lockfree/queue.hpp>
+
+#include "broker/process.h"
 
 namespace spindle {
 
@@ -80,6 +92,32 @@ class Broker {
   void defer(std::function<void()> fn);
   // Like defer(), but returns false instead of throwing.
   bool try_defer(std::function<void()> fn);
+  // Always queued, even on the broker thread: fn runs after the current
+  // handler returns (no recursion through the caller's stack).
+  bool try_post(std::function<void()> fn);
+  // Wakes the loop for the on_wake() sinks (once per batch: coalesced).
+  void wake();
+  // Held by a producer while it appends to a queue an on_wake() sink drains:
+  // the broker's end waits for it, then drains, so nothing accepted is
+  // stranded. False (and nothing held) once the broker has finished.
+  class ProducerGuard {
+   public:
+    explicit ProducerGuard(Broker& b) : b_(b), ok_(b.enter_producer()) {}
+    ~ProducerGuard() {
+      if (ok_) b_.producers_.fetch_sub(1);
+    }
+    ProducerGuard(const ProducerGuard&) = delete;
+    ProducerGuard& operator=(const ProducerGuard&) = delete;
+    explicit operator bool() const { return ok_; }
+
+   private:
+    Broker& b_;
+    bool ok_;
+  };
+  // Reaps `child` when it exits (its pidfd is watched), then calls on_exit
+  // with the wait status on the broker thread. Children still running when
+  // the broker is destroyed are reaped there.
+  void watch_child(std::shared_ptr<ChildProcess> child, std::function<void(int)> on_exit);
 
   // Runs fn on the broker thread after `delay`. The id can cancel it.
   TimerId call_later(std::chrono::nanoseconds delay, std::function<void()> fn);
@@ -110,10 +148,24 @@ class Broker {
   void add_first_participant(ShutdownParticipant* p);
   void remove_participant(ShutdownParticipant* p);
   void participant_drained(ShutdownParticipant* p);
+  // Runs at every wake-up, after the deferred functions: a queue of another
+  // module that producers signal with wake(). Returns an id for
+  // remove_wake_sink().
+  int on_wake(std::function<void()> sink);
+  void remove_wake_sink(int id);
 
  private:
+  struct Task {
+    std::function<void()> fn;
+  };
+  bool enter_producer();
+  bool push_task(std::function<void()> fn);
+  void arm_waker();
+  void on_waker();
   void run();
-  void drain_deferred();
+  bool drain_deferred();
+  void run_sinks();
+  void reap_children();
   void create_timer(TimerId id, std::chrono::nanoseconds delay, std::function<void()> fn);
   void begin_shutdown(std::chrono::milliseconds grace);
   void wait_for_grace_deadline();
@@ -130,12 +182,18 @@ class Broker {
   std::atomic<std::thread::id> thread_id_{};
   std::thread thread_;
 
-  mutable std::mutex defer_mu_;
-  std::vector<std::function<void()>> deferred_;  // guarded by defer_mu_
-  bool wake_posted_ = false;                     // guarded by defer_mu_
-  bool closed_ = false;                          // guarded by defer_mu_: no more defers
-  Stats stats_;                                  // guarded by defer_mu_
-  std::unordered_set<TimerId> unborn_timers_;    // guarded by defer_mu_
+  // The defer queue: producers announce themselves in producers_ before they
+  // check closed_, so finish() can wait until none is half-way through a push
+  // before it takes the last batch: every accepted function runs.
+  boost::lockfree::queue<Task*> tasks_{128};
+  std::atomic<int> producers_{0};
+  std::atomic<bool> closed_{false};
+  std::atomic<bool> wake_pending_{false};
+  int wake_fd_ = -1;  // eventfd
+  asio::posix::stream_descriptor waker_;
+  std::atomic<std::uint64_t> deferred_count_{0}, wakeups_{0}, drains_{0};
+  std::mutex timers_mu_;
+  std::unordered_set<TimerId> unborn_timers_;    // guarded by timers_mu_
 
   std::atomic<bool> shutdown_requested_{false};
   std::mutex request_mu_;
@@ -149,6 +207,10 @@ class Broker {
   bool rest_told_ = false;
   std::unique_ptr<asio::steady_timer> deadline_;
   bool finishing_ = false;
+  std::vector<std::pair<int, std::function<void()>>> wake_sinks_;
+  int next_sink_ = 1;
+  std::mutex children_mu_;
+  std::vector<std::shared_ptr<ChildProcess>> children_;  // guarded by children_mu_
 };
 
 }  // namespace spindle

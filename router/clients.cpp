@@ -6,9 +6,9 @@
 // Spindle's encodings is never written to it; its sender gets a dead reply
 // that says why, or, for a reply that cannot have one, the Mitogen receiver
 // gets a dead message so it raises ChannelError instead of waiting forever.
-// And a trusted (same-uid) client acts with the router's authority: the
-// router stamps its own id as auth_id on the client's messages, as Mitogen's
-// listener does.
+// Each client acts with its own authority: its auth_id is its own context id
+// (the reverse-path check makes sure of it), so a receiver can tell which
+// client sent a message (docs/PROTOCOL.md §2.10).
 #include <unistd.h>
 
 #include <future>
@@ -29,12 +29,7 @@ std::shared_ptr<Stream> Router::add_client_stream(int fd, const std::string& nam
     ::close(fd);
     return nullptr;
   }
-  StreamOptions so;
-  so.name = name;
-  so.max_message_size = opts_.max_message_size;
-  so.high_water_mark = opts_.high_water_mark;
-  so.handshake_timeout = opts_.handshake_timeout;
-  auto s = Stream::create(broker_, fd, fd, so, std::move(handshake), this);
+  auto s = Stream::create(broker_, fd, fd, stream_options(name), std::move(handshake), this);
   Link& l = register_link(s, StreamRole::kChild, 0, name);
   l.client = opts;
   ++clients_;
@@ -49,18 +44,21 @@ void Router::client_opened(Link& l) {
   l.dialect = p.dialect;
   l.name = fmt::format("client-{}.pid{}", p.remote_id, l.client->pid);
   s.set_name(l.name);
+  // A Mitogen peer decodes only "MI": every frame to it goes past the broker's
+  // check (refuse_undecodable), never straight from an application thread.
+  if (l.dialect == Dialect::kMitogen) s.port()->gate.close();
   add_route(p.remote_id, l);
   log().info("stream={} client ctx={} pid={} uid={} connected ({} dialect{})", s.name(),
              p.remote_id, l.client->pid, l.client->uid,
              p.dialect == Dialect::kMitogen ? "Mitogen" : "Spindle",
-             l.client->trusted ? ", acts with this router's authority" : "");
+             l.client->trusted ? ", same uid" : "");
 }
 
 void Router::refuse_undecodable(Link& out, Message&& m) {
   std::string why = fmt::format("{}: enc {} (0x{:04x}) to Mitogen context {}",
                                 reason::kUndecodable, enc_name(m.header.enc), m.header.enc,
                                 out.remote_id);
-  if (Message::wants_dead_reply(m) || m.is_dead()) return send_dead(m, why);
+  if (Message::wants_dead_reply(m) || m.is_dead()) return send_dead(m.header, why);
   log().warn("stream={} {}; telling the receiver (handle {})", out.stream->name(), why,
              m.header.handle);
   Message d = Message::make(m.header.dst_id, m.header.handle, Payload::copy_of(why), kEncMitogen);
@@ -85,6 +83,8 @@ std::vector<ClientStats> Router::client_stats() {
       c.bytes_in = st.bytes_in;
       c.bytes_out = st.bytes_out;
       c.queued_bytes = l->stream->gauge().queued();
+      c.memory_held = l->stream->account()->held();
+      c.paused = l->stream->reading_paused();
       out.push_back(std::move(c));
     }
     return out;

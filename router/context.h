@@ -18,30 +18,10 @@
 #include <optional>
 #include <string>
 
+#include "broker/process.h"
 #include "router/router.h"
 
 namespace spindle {
-
-// A child process and its exit status, reaped by whoever gets there first.
-class ChildProcess {
- public:
-  ChildProcess(pid_t pid, int pidfd) : pid_(pid), pidfd_(pidfd) {}
-  ~ChildProcess();
-  pid_t pid() const { return pid_; }
-  int pidfd() const { return pidfd_; }
-  // Non-blocking reap. Returns the wait status once the child has exited.
-  std::optional<int> reap();
-  // Waits up to `timeout` for the child to exit; returns its wait status.
-  std::optional<int> wait(std::chrono::milliseconds timeout);
-
- private:
-  const pid_t pid_;
-  const int pidfd_;
-  std::mutex mu_;
-  std::optional<int> status_;
-};
-
-std::string describe_wait_status(int status);
 
 class Context {
  public:

@@ -21,7 +21,7 @@
 #include "broker/log.h"
 #include "router/reasons.h"
 #include "router/router.h"
-#include "shm/memfd.h"
+#include "stream/memfd.h"
 
 namespace spindle {
 namespace {
@@ -70,8 +70,8 @@ bool Router::charge_fds(Link& in, Message& m) {
     std::string why = fmt::format("{}: context {} has {} fds in flight via stream {} (quota {}, this message {})",
                                   reason::kFdQuota, m.header.src_id, before, in.stream->name(),
                                   opts_.fd_quota, n);
-    log().warn("stream={} {}", in.stream->name(), why);
-    send_dead(m, why);
+    note_refusal(in, reason::kFdQuota, why);
+    send_dead(m.header, why);
     return false;
   }
   m.fds = std::move(m.fds).with_charge(std::make_shared<FdCharge>(in.fds_in_flight, n));
@@ -82,7 +82,7 @@ bool Router::map_sealed_body(Message& m) {
   try {
     m.data = m.sealed_body->map();
   } catch (const std::system_error& e) {
-    send_dead(m, fmt::format("{}: {}", reason::kBadMemfd, e.what()));
+    send_dead(m.header, fmt::format("{}: {}", reason::kBadMemfd, e.what()));
     return false;
   }
   m.sealed_body.reset();
@@ -95,7 +95,7 @@ void Router::on_stream_refused(Stream& s, Message&& m, const std::string& why) {
   // without reply_to, send_dead logs it).
   log().debug("stream={} refused a message for context {} handle {}: {}", s.name(),
               m.header.dst_id, m.header.handle, why);
-  send_dead(m, why);
+  send_dead(m.header, why);
 }
 
 }  // namespace spindle

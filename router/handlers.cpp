@@ -1,84 +1,62 @@
 #include "router/handlers.h"
 
+#include <algorithm>
+
+#include "router/call_table.h"
+
 namespace spindle {
 
+HandlerTable::HandlerTable() { publish(); }
+HandlerTable::~HandlerTable() = default;
+
 std::uint32_t HandlerTable::add(HandlerFn fn, HandlerOptions opts, std::uint32_t handle) {
-  auto h = std::make_shared<Handler>(Handler{std::move(fn), std::move(opts), 0});
-  std::lock_guard lk(mu_);
   if (handle == 0) {
-    // Skip handles that are taken or special; wraps within the dynamic range.
+    // Skip handles that are taken or special; wraps within the dynamic range,
+    // which ends where the call handles begin.
     do {
       handle = next_dynamic_++;
-      if (next_dynamic_ == 0) next_dynamic_ = kFirstDynamicHandle;
+      if (next_dynamic_ >= kCallHandleBit) next_dynamic_ = kFirstDynamicHandle;
     } while (map_.count(handle) || handle == kHandleIsDead);
-  } else if (map_.count(handle)) {
+  } else if (map_.count(handle) || is_call_handle(handle)) {
     return 0;
   }
-  h->handle = handle;
-  map_.emplace(handle, std::move(h));
+  const bool any = opts.any_thread;
+  map_.emplace(handle, std::make_shared<Handler>(Handler{std::move(fn), std::move(opts), handle}));
+  if (any) publish();
   return handle;
 }
 
-HandlerTable::Verdict HandlerTable::lookup_for_dispatch(const Message& m, HandlerPtr& out) {
-  std::lock_guard lk(mu_);
-  auto it = map_.find(m.header.handle);
-  if (it == map_.end()) return Verdict::kNotFound;
-  const HandlerOptions& o = it->second->opts;
-  // A dead reply may come from any router on the way (no route, queue full,
-  // peer gone), not just the respondent: let it through, as Mitogen does.
-  if (o.respondent && *o.respondent != m.header.src_id && !m.is_dead())
-    return Verdict::kWrongRespondent;
-  if (o.policy && !o.policy(m)) return Verdict::kRefused;
-  if (o.persistent) {
-    out = it->second;
-  } else {
-    out = std::move(it->second);
-    map_.erase(it);
-  }
-  return Verdict::kOk;
-}
-
-HandlerPtr HandlerTable::take(std::uint32_t handle) {
-  std::lock_guard lk(mu_);
+const HandlerPtr* HandlerTable::find(std::uint32_t handle) const {
   auto it = map_.find(handle);
-  if (it == map_.end()) return nullptr;
-  HandlerPtr h = std::move(it->second);
+  return it == map_.end() ? nullptr : &it->second;
+}
+
+bool HandlerTable::remove(std::uint32_t handle) {
+  auto it = map_.find(handle);
+  if (it == map_.end()) return false;
+  const bool any = it->second->opts.any_thread;
   map_.erase(it);
-  return h;
+  if (any) publish();
+  return true;
 }
 
-std::vector<HandlerPtr> HandlerTable::take_by_respondent(
-    const std::function<bool(std::uint32_t)>& pred) {
-  std::vector<HandlerPtr> out;
-  std::lock_guard lk(mu_);
-  for (auto it = map_.begin(); it != map_.end();) {
-    if (it->second->opts.respondent && pred(*it->second->opts.respondent)) {
-      out.push_back(std::move(it->second));
-      it = map_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  return out;
+void HandlerTable::publish() {
+  auto snap = std::make_unique<Snapshot>();
+  for (auto& [h, p] : map_)
+    if (p->opts.any_thread) snap->push_back(p);
+  std::sort(snap->begin(), snap->end(), [](const HandlerPtr& a, const HandlerPtr& b) {
+    return a->handle < b->handle;
+  });
+  any_thread_.store(snap.get(), std::memory_order_release);
+  snapshots_.push_back(std::move(snap));
 }
 
-std::vector<HandlerPtr> HandlerTable::take_one_shot() {
-  std::vector<HandlerPtr> out;
-  std::lock_guard lk(mu_);
-  for (auto it = map_.begin(); it != map_.end();) {
-    if (!it->second->opts.persistent) {
-      out.push_back(std::move(it->second));
-      it = map_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  return out;
-}
-
-std::size_t HandlerTable::size() const {
-  std::lock_guard lk(mu_);
-  return map_.size();
+HandlerPtr HandlerTable::find_any_thread(std::uint32_t handle) const {
+  const Snapshot* s = any_thread_.load(std::memory_order_acquire);
+  auto it = std::lower_bound(s->begin(), s->end(), handle,
+                             [](const HandlerPtr& p, std::uint32_t h) { return p->handle < h; });
+  if (it == s->end() || (*it)->handle != handle) return nullptr;
+  return *it;
 }
 
 }  // namespace spindle

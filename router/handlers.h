@@ -1,21 +1,28 @@
 // HandlerTable: the handle registry of one router.
 //
-// Maps a handle to the function that receives messages sent to it. A handler
-// is persistent or one-shot, and may name a respondent (the only context
-// allowed to send to it, e.g. the callee of a pending call) and a policy
-// predicate. Whoever removes an entry owns its completion: dispatch of a
-// one-shot, del, a timeout and a respondent's disconnect all go through
-// take(), so each pending call completes exactly once.
+// Maps a handle to the function that receives messages sent to it, with an
+// optional policy predicate (refuse when it returns false). The table belongs
+// to the broker thread, where messages are dispatched, so a dispatch takes no
+// lock; the Router registers and removes handlers there (a call from another
+// thread waits for the broker to do it, so a message sent right after
+// add_handler() returns finds the handler).
 //
-// Thread safety: all members are safe from any thread (one mutex). Handlers
-// are invoked by the caller of take()/find(), never under the lock.
+// Pending calls are not handlers: they live in the CallTable (call_table.h).
+//
+// Any-thread handlers: a handler that only queues work (a pool's, a service
+// host's) may run on whichever thread sends a local message to it, sparing
+// the message a trip through the broker. Those are also published in an
+// immutable snapshot that any thread may read without a lock; a snapshot
+// replaced by a later registration is kept until the table dies (they are
+// few: registrations of this kind happen when services start).
+//
+// Thread safety: broker thread only, except find_any_thread(), any thread.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -27,9 +34,10 @@ using HandlerFn = std::function<void(Message&&)>;
 using Policy = std::function<bool(const Message&)>;
 
 struct HandlerOptions {
-  bool persistent = true;
-  std::optional<std::uint32_t> respondent;  // only this context may send here
-  Policy policy;                            // refuse when it returns false
+  Policy policy;  // refuse when it returns false; runs where the handler runs
+  // The handler is safe to run on any thread (it only queues work): a local
+  // message from another thread runs it there, without a broker hop.
+  bool any_thread = false;
 };
 
 struct Handler {
@@ -42,26 +50,27 @@ using HandlerPtr = std::shared_ptr<const Handler>;
 
 class HandlerTable {
  public:
-  // handle == 0 allocates the next free dynamic handle (>= 1000). Returns 0
-  // if an explicit handle is already taken.
+  HandlerTable();
+  ~HandlerTable();
+  HandlerTable(const HandlerTable&) = delete;
+  HandlerTable& operator=(const HandlerTable&) = delete;
+
+  // handle == 0 allocates the next free dynamic handle (1000 and up, below
+  // the call handles). Returns 0 if an explicit handle is already taken.
   std::uint32_t add(HandlerFn fn, HandlerOptions opts, std::uint32_t handle = 0);
-  enum class Verdict { kOk, kNotFound, kWrongRespondent, kRefused };
-  // For dispatch: checks respondent and policy (under the lock, so policies
-  // must be cheap and must not call back into the table), then shares a
-  // persistent handler or removes and returns a one-shot one.
-  Verdict lookup_for_dispatch(const Message& m, HandlerPtr& out);
-  // Removes and returns the handler, if present.
-  HandlerPtr take(std::uint32_t handle);
-  // Removes and returns every handler whose respondent matches `pred`.
-  std::vector<HandlerPtr> take_by_respondent(const std::function<bool(std::uint32_t)>& pred);
-  // Removes every one-shot handler (pending calls); persistent ones stay.
-  std::vector<HandlerPtr> take_one_shot();
-  std::size_t size() const;
+  const HandlerPtr* find(std::uint32_t handle) const;
+  bool remove(std::uint32_t handle);
+  std::size_t size() const { return map_.size(); }
+  HandlerPtr find_any_thread(std::uint32_t handle) const;
 
  private:
-  mutable std::mutex mu_;
+  using Snapshot = std::vector<HandlerPtr>;  // sorted by handle
+  void publish();
+
   std::unordered_map<std::uint32_t, HandlerPtr> map_;
   std::uint32_t next_dynamic_ = kFirstDynamicHandle;
+  std::atomic<const Snapshot*> any_thread_{nullptr};
+  std::vector<std::unique_ptr<const Snapshot>> snapshots_;  // every one published
 };
 
 }  // namespace spindle

@@ -1,14 +1,15 @@
-// Links: the streams of a router, the parent's and its children's, and what
-// travels between routers about them. A child link's context is routed at
-// once (messages queue while it handshakes); ADD_ROUTE announces it upwards;
-// when a link closes, every context behind it is gone: pending calls to them
-// fail, watchers fire, and DEL_ROUTE reaches the parent and every link that
-// talked to them. Shutdown sends SHUTDOWN to children and drains every link.
+// Links: the streams of a router, the parent's and its children's, and the
+// route table between them. A child link's context is routed at once
+// (messages queue while it handshakes); ADD_ROUTE announces it upwards; when
+// a link closes, every context behind it is gone: pending calls to them fail,
+// watchers fire, and DEL_ROUTE reaches the parent and every link that talked
+// to them. The cost of a context going away is proportional to its own ids
+// and the links that talked to it (an index, talkers_), never to the number
+// of links or routes. Shutdown sends SHUTDOWN to children and drains every
+// link. The control handles are in control_handles.cpp.
 #include "router/router.h"
 
 #include <unistd.h>
-
-#include <cstdlib>
 
 #include <fmt/format.h>
 
@@ -18,24 +19,26 @@
 #include "router/reasons.h"
 
 namespace spindle {
-namespace {
-// How many contexts one child link may announce with ADD_ROUTE: a bound on
-// the route table a misbehaving peer can grow (docs/PROTOCOL.md, 6.2).
-constexpr std::size_t kMaxRoutesPerLink = 65536;
-}  // namespace
+
+StreamOptions Router::stream_options(const std::string& name) const {
+  StreamOptions so;
+  so.name = name;
+  so.max_message_size = opts_.max_message_size;
+  so.high_water_mark = opts_.high_water_mark;
+  so.handshake_timeout = opts_.handshake_timeout;
+  so.memory_limit = opts_.peer_memory_limit;
+  so.budget = budget_;
+  so.stall_timeout = opts_.stall_timeout;
+  return so;
+}
 
 void Router::attach_parent(int read_fd, int write_fd) {
   if (broker_.on_broker_thread()) throw Error("attach_parent() would block the broker thread");
   auto ready = parent_ready_.get_future();
   broker_.defer([this, read_fd, write_fd] {
-    StreamOptions so;
-    so.name = "parent";
-    so.max_message_size = opts_.max_message_size;
-    so.high_water_mark = opts_.high_water_mark;
-    so.handshake_timeout = opts_.handshake_timeout;
     std::shared_ptr<Stream> s;
     try {
-      s = Stream::create(broker_, read_fd, write_fd, so,
+      s = Stream::create(broker_, read_fd, write_fd, stream_options("parent"),
                          std::make_unique<ClientHandshake>(static_cast<std::uint32_t>(::getpid())),
                          this);
     } catch (const std::exception& e) {  // an unusable fd: say so, don't hang the caller
@@ -59,11 +62,7 @@ std::shared_ptr<Stream> Router::add_child_stream(int read_fd, int write_fd, std:
     if (write_fd != read_fd) ::close(write_fd);
     return nullptr;
   }
-  StreamOptions so;
-  so.name = name.empty() ? fmt::format("child-{}", child_id) : name;
-  so.max_message_size = opts_.max_message_size;
-  so.high_water_mark = opts_.high_water_mark;
-  so.handshake_timeout = opts_.handshake_timeout;
+  StreamOptions so = stream_options(name.empty() ? fmt::format("child-{}", child_id) : name);
   auto hs = std::make_unique<ServerHandshake>(
       id(), static_cast<std::uint32_t>(::getpid()), opts_.max_message_size,
       [child_id](const PeerInfo&) -> ServerHandshake::Assignment { return child_id; });
@@ -80,7 +79,10 @@ Router::Link& Router::register_link(std::shared_ptr<Stream> s, StreamRole role,
   link->role = role;
   link->remote_id = remote_id;
   link->name = name;
+  link->port_serial = s->port()->serial;
   Link& l = *link;
+  s->set_tag(&l);
+  links_by_port_.emplace(l.port_serial, &l);
   links_.emplace(s.get(), std::move(link));
   if (role == StreamRole::kParent) {
     parent_ = &l;
@@ -90,20 +92,38 @@ Router::Link& Router::register_link(std::shared_ptr<Stream> s, StreamRole role,
   return l;
 }
 
-Router::Link* Router::link_of(const Stream& s) {
-  auto it = links_.find(const_cast<Stream*>(&s));
-  return it == links_.end() ? nullptr : it->second.get();
+Router::Link* Router::link_of(const Stream& s) { return static_cast<Link*>(s.tag()); }
+
+Router::Link* Router::route_for(std::uint32_t dst) {
+  auto it = routes_.find(dst);
+  if (it != routes_.end()) return it->second;
+  return parent_;
 }
 
+// The ports application threads send through follow the route table; the
+// epoch tells their per-thread caches that something changed.
 void Router::add_route(std::uint32_t id, Link& via) {
   routes_[id] = &via;
   via.behind.insert(id);
   {
-    std::lock_guard lk(gauges_mu_);
-    gauges_[id] = via.stream->gauge_ptr();
+    std::lock_guard lk(ports_mu_);
+    ports_[id] = PortRef{via.stream->port(), via.port_serial};
   }
+  route_epoch_.fetch_add(1, std::memory_order_acq_rel);
   if (parent_ && &via != parent_ && parent_->stream->is_open())
     announce(kHandleAddRoute, fmt::format("{}:{}", id, via.name), nullptr, {parent_});
+}
+
+void Router::remove_route(std::uint32_t id) {
+  auto it = routes_.find(id);
+  if (it == routes_.end()) return;
+  it->second->behind.erase(id);
+  routes_.erase(it);
+  {
+    std::lock_guard lk(ports_mu_);
+    ports_.erase(id);
+  }
+  route_epoch_.fetch_add(1, std::memory_order_acq_rel);
 }
 
 void Router::on_stream_open(Stream& s) {
@@ -116,11 +136,12 @@ void Router::on_stream_open(Stream& s) {
     routes_[p.remote_id] = l;
     l->behind.insert(p.remote_id);
     {
-      std::lock_guard lk(gauges_mu_);
+      std::lock_guard lk(ports_mu_);
       parent_id_ = p.remote_id;
-      parent_gauge_ = s.gauge_ptr();
-      gauges_[p.remote_id] = parent_gauge_;
+      parent_port_ = PortRef{s.port(), l->port_serial};
+      ports_[p.remote_id] = parent_port_;
     }
+    route_epoch_.fetch_add(1, std::memory_order_acq_rel);
     parent_up_.store(true, std::memory_order_release);
     set_log_context(p.local_id, opts_.name);
     log().info("stream={} attached to parent ctx={} pid={}", s.name(), p.remote_id, p.pid);
@@ -140,121 +161,49 @@ void Router::on_stream_open(Stream& s) {
   }
 }
 
-void Router::on_stream_batch_end(Stream&) { flush_dirty(); }
-
 void Router::on_stream_invalid(Stream& s, const ParseResult& r) {
   Link* l = link_of(s);
   if (!l || !r.header_valid) return;
-  Message about;
-  about.header = r.header;
   // The sender is told why, on the stream it used, before the stream closes.
-  if (Message::wants_dead_reply(about)) {
-    Message d = Message::dead_reply(about, r.error);
-    d.header.src_id = d.header.auth_id = id();
+  if (r.header.reply_to != 0 && !r.header.is_dead()) {
+    Message d;
+    d.header = dead_header(r.header);
+    d.data = Payload::copy_of(r.error);
     enqueue_on(*l, std::move(d), 0);
   }
 }
 
-bool Router::handle_control(Link& in, Message& m) {
-  const std::uint32_t h = m.header.handle;
-  if (h != kHandleAddRoute && h != kHandleDelRoute && h != kHandleShutdown && h != kHandleForwardLog)
-    return false;
-  std::string text = m.text();
-  if (h == kHandleForwardLog) {
-    // name NUL levelno NUL message
-    auto a = text.find('\0');
-    auto b = a == std::string::npos ? a : text.find('\0', a + 1);
-    if (b == std::string::npos) {
-      log().warn("stream={} malformed FORWARD_LOG payload ({} bytes)", in.stream->name(), text.size());
-      return true;
+void Router::contexts_gone(const std::vector<std::uint32_t>& gone, const std::string& why,
+                           Link* told_by) {
+  if (gone.empty()) return;
+  std::unordered_set<std::uint32_t> set(gone.begin(), gone.end());
+  auto error = std::make_exception_ptr(ChannelError(why));
+  calls_.fail_where([&](std::uint32_t callee) { return set.count(callee) != 0; },
+                    [&](std::uint32_t) { return error; });
+  for (std::uint32_t id : gone) {
+    std::vector<std::function<void(const std::string&)>> watchers;
+    {
+      std::lock_guard lk(disconnect_mu_);
+      auto it = disconnect_watchers_.find(id);
+      if (it != disconnect_watchers_.end()) {
+        watchers = std::move(it->second);
+        disconnect_watchers_.erase(it);
+      }
     }
-    int levelno = std::atoi(text.substr(a + 1, b - a - 1).c_str());
-    log().log(level_from_python(levelno), "[{}] {}", text.substr(0, a), text.substr(b + 1));
-    return true;
-  }
-  if (h == kHandleShutdown) {
-    if (&in != parent_ || m.header.src_id != in.remote_id) {
-      send_dead(m, fmt::format("{}: SHUTDOWN is accepted only from the parent", reason::kRefusedByPolicy));
-      return true;
+    for (auto& w : watchers) w(why);
+    // Whoever talked to it hears it is gone; the parent always does.
+    std::unordered_set<Link*> tell;
+    auto t = talkers_.find(id);
+    if (t != talkers_.end()) {
+      for (Link* l : t->second) {
+        l->egress.erase(id);
+        if (l != parent_) tell.insert(l);
+      }
+      talkers_.erase(t);
     }
-    log().info("stream={} parent asked this context to shut down", in.stream->name());
-    broker_.shutdown();
-    return true;
+    if (parent_) tell.insert(parent_);
+    announce(kHandleDelRoute, std::to_string(id), told_by, tell);
   }
-  // ADD_ROUTE "id[:name]" / DEL_ROUTE "id"
-  auto colon = text.find(':');
-  auto target = parse_context_id(std::string_view(text).substr(0, colon));
-  if (!target) {
-    log().warn("stream={} malformed {} payload '{}'", in.stream->name(),
-               h == kHandleAddRoute ? "ADD_ROUTE" : "DEL_ROUTE", text.substr(0, 64));
-    return true;
-  }
-  if (h == kHandleAddRoute) {
-    if (in.role != StreamRole::kChild) return true;  // routes are announced upwards only
-    Link* cur = routes_.count(*target) ? routes_[*target] : nullptr;
-    if (*target == id() || (parent_ && *target == parent_->remote_id) || (cur && cur != &in)) {
-      log().warn("stream={} refused ADD_ROUTE for context {}: already routed elsewhere",
-                 in.stream->name(), *target);
-      return true;
-    }
-    // Only the root hands out ids: an id it has not allocated yet belongs to
-    // no context, and announcing it would claim a future client's id.
-    if (!parent_ && *target >= next_id_.load(std::memory_order_relaxed)) {
-      log().warn("stream={} refused ADD_ROUTE for context {}: no such context has been allocated",
-                 in.stream->name(), *target);
-      return true;
-    }
-    // Each route costs memory: a link may announce a bounded number.
-    if (!cur && in.behind.size() >= kMaxRoutesPerLink) {
-      log().warn("stream={} refused ADD_ROUTE for context {}: the link already routes {} contexts "
-                 "(limit {})", in.stream->name(), *target, in.behind.size(), kMaxRoutesPerLink);
-      return true;
-    }
-    if (!cur) add_route(*target, in);
-    return true;
-  }
-  // DEL_ROUTE
-  auto it = routes_.find(*target);
-  if (in.role == StreamRole::kChild) {
-    if (it == routes_.end() || it->second != &in) return true;  // not theirs to delete
-    remove_route(*target);
-  } else if (it != routes_.end()) {
-    return true;  // the parent cannot delete a route that runs through a child
-  }
-  context_gone(*target,
-               fmt::format("{}: context {} (DEL_ROUTE from {})", reason::kPeerDisconnected, *target,
-                           in.stream->name()),
-               &in);
-  return true;
-}
-
-void Router::remove_route(std::uint32_t id) {
-  auto it = routes_.find(id);
-  if (it == routes_.end()) return;
-  it->second->behind.erase(id);
-  routes_.erase(it);
-  std::lock_guard lk(gauges_mu_);
-  gauges_.erase(id);
-}
-
-void Router::context_gone(std::uint32_t gone, const std::string& why, Link* told_by) {
-  fail_handlers(handlers_.take_by_respondent([gone](std::uint32_t r) { return r == gone; }), why);
-  std::vector<std::function<void(const std::string&)>> watchers;
-  {
-    std::lock_guard lk(disconnect_mu_);
-    auto it = disconnect_watchers_.find(gone);
-    if (it != disconnect_watchers_.end()) {
-      watchers = std::move(it->second);
-      disconnect_watchers_.erase(it);
-    }
-  }
-  for (auto& w : watchers) w(why);
-  std::unordered_set<Link*> tell;
-  for (auto& [s, l] : links_) {
-    if (l->egress.erase(gone) && l.get() != parent_) tell.insert(l.get());
-  }
-  if (parent_) tell.insert(parent_);
-  announce(kHandleDelRoute, std::to_string(gone), told_by, tell);
 }
 
 void Router::announce(std::uint32_t handle, const std::string& payload, Link* skip,
@@ -268,23 +217,33 @@ void Router::announce(std::uint32_t handle, const std::string& payload, Link* sk
   }
 }
 
-void Router::on_stream_closed(Stream& s, const std::string& why, std::vector<Message> unsent) {
+void Router::on_stream_closed(Stream& s, const std::string& why, Unsent unsent) {
   auto it = links_.find(&s);
   if (it == links_.end()) return;
   std::unique_ptr<Link> link = std::move(it->second);
   links_.erase(it);
-  dirty_.erase(&s);
+  links_by_port_.erase(link->port_serial);
+  s.set_tag(nullptr);
   const bool was_parent = link.get() == parent_;
   std::vector<std::uint32_t> gone(link->behind.begin(), link->behind.end());
   for (std::uint32_t id : gone) remove_route(id);
+  // It talks to nobody any more.
+  for (std::uint32_t dst : link->egress) {
+    auto t = talkers_.find(dst);
+    if (t == talkers_.end()) continue;
+    t->second.erase(link.get());
+    if (t->second.empty()) talkers_.erase(t);
+  }
+  forget_allocations(*link);
   std::string detail = fmt::format("{}: {} ({})", reason::kPeerDisconnected, link->name, why);
   if (was_parent) {
     parent_up_.store(false, std::memory_order_release);  // logs go to stderr from here on
     parent_ = nullptr;
     {
-      std::lock_guard lk(gauges_mu_);
-      parent_gauge_.reset();
+      std::lock_guard lk(ports_mu_);
+      parent_port_ = PortRef{};
     }
+    route_epoch_.fetch_add(1, std::memory_order_acq_rel);
     if (!parent_ready_set_) {
       parent_ready_set_ = true;
       parent_ready_.set_value(why.empty() ? "closed" : why);
@@ -301,14 +260,20 @@ void Router::on_stream_closed(Stream& s, const std::string& why, std::vector<Mes
   } else {
     log().info("stream={} child ctx={} disconnected: {}", s.name(), link->remote_id, why);
   }
-  for (Message& m : unsent) send_dead(m, detail);
-  for (std::uint32_t id : gone) context_gone(id, detail);
+  // What was queued for it: its senders are told; what needs no answer is
+  // summed up in one line, however much there was.
+  for (const Header& h : unsent.wanting_reply) send_dead(h, detail);
+  for (auto& m : unsent.originals)
+    if (Message::wants_dead_reply(*m)) send_dead(m->header, detail);
+  if (unsent.dead || unsent.other)
+    log().info("stream={} closed with {} dead replies and {} other messages still queued for it: "
+               "dropped ({})", s.name(), unsent.dead, unsent.other, why);
+  contexts_gone(gone, detail);
   if (was_parent) {
     // Everything not routed through a child was reached via the parent.
-    fail_handlers(handlers_.take_by_respondent([this](std::uint32_t r) {
-                    return r != id() && !routes_.count(r);
-                  }),
-                  detail);
+    auto error = std::make_exception_ptr(ChannelError(detail));
+    calls_.fail_where([this](std::uint32_t callee) { return callee != id() && !routes_.count(callee); },
+                      [&](std::uint32_t) { return error; });
     broker_.shutdown();  // a child does not outlive its parent link
   }
   maybe_drained();

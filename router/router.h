@@ -2,12 +2,23 @@
 //
 // Role: owns this context's streams and its route table (context id -> the
 // stream that reaches it), dispatches local messages by handle through a
-// HandlerTable, matches replies by reply_to, forwards anything else towards
-// its route or, failing that, up to the parent. It propagates ADD_ROUTE and
-// DEL_ROUTE, fails pending calls the moment their respondent disconnects, and
-// answers every failure with a dead reply that names the reason (see
-// reasons.h). A message without reply_to that cannot be delivered is logged
-// with its reason, since there is nowhere to send one.
+// HandlerTable, completes pending calls (CallTable), forwards anything else
+// towards its route or, failing that, up to the parent. It propagates
+// ADD_ROUTE and DEL_ROUTE, fails pending calls the moment their callee
+// disconnects, and answers every failure with a dead reply that names the
+// reason (see reasons.h). A message without reply_to that cannot be
+// delivered is counted and logged, aggregated, since there is nowhere to send
+// a reply.
+//
+// Data path (docs/DESIGN.md, "The data path"):
+//  - application threads: a send charges the destination's gauge, writes the
+//    frame itself when the stream is idle, and otherwise appends it to the
+//    Outbox (a lock-free ring), waking the broker once per batch;
+//  - broker thread: a frame forwarded from one stream to another is never
+//    turned into a Message: its header is rewritten and its bytes copied
+//    straight into the other stream's TxQueue (or, for a large body, moved).
+//  - every byte held for a peer is charged to the peer's Account; a peer over
+//    its limit is not read until it is back under.
 //
 // Ids: the root context is 0. The root allocates ids from a counter that only
 // grows (never reused within a run); other contexts ask the root with
@@ -25,21 +36,37 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <map>
-#include <optional>
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "broker/broker.h"
+#include "router/call_table.h"
 #include "router/handlers.h"
+#include "router/outbox.h"
 #include "stream/stream.h"
 
 namespace spindle {
+
+struct BudgetRelief;
+
+// A token bucket: what one peer may make this process log.
+class LogBudget {
+ public:
+  bool take(std::chrono::steady_clock::time_point now, double rate, double burst);
+  std::uint64_t take_suppressed();  // lines refused since the last call, once refilled
+
+ private:
+  double tokens_ = -1;  // full on first use
+  std::chrono::steady_clock::time_point last_{};
+  std::uint64_t suppressed_ = 0;
+};
 
 struct RouterOptions {
   std::string name;  // this context's name, for logs
@@ -50,8 +77,20 @@ struct RouterOptions {
   // fds (a memfd body counts as one) that one peer may have in flight through
   // this router, queued towards other peers; over it: dead reply (router/fds.cpp).
   std::size_t fd_quota = 1024;
-  // Payloads of at least this many bytes travel as a sealed memfd (shm/memfd.h).
+  // Payloads of at least this many bytes travel as a sealed memfd (stream/memfd.h).
   std::size_t memfd_threshold = 1u << 20;
+  // What one peer, and all peers together, may make this router hold
+  // (stream/account.h, docs/PROTOCOL.md §14).
+  std::size_t peer_memory_limit = kDefaultPeerMemoryLimit;
+  std::size_t memory_limit = kDefaultGlobalMemoryLimit;
+  // A peer over its limit that does not read for this long is disconnected.
+  std::chrono::milliseconds stall_timeout{10000};
+  std::size_t outbox_size = kDefaultOutboxSize;
+  // FORWARD_LOG from a listener's clients (always accepted from children).
+  bool accept_client_logs = false;
+  // Log lines a peer may cause per second (FORWARD_LOG, refusals), and burst.
+  double peer_log_rate = 50;
+  double peer_log_burst = 200;
 };
 
 enum class StreamRole { kParent, kChild };
@@ -59,9 +98,7 @@ enum class StreamRole { kParent, kChild };
 // A client of a listening router (spindle-router): a child-like link whose
 // context id is assigned during its handshake.
 struct ClientLinkOptions {
-  // Same-uid clients are trusted with the router's authority, as in Mitogen's
-  // listener: their messages carry the router's auth_id from here on.
-  bool trusted = true;
+  bool trusted = true;    // same uid as the router (docs/PROTOCOL.md §2.10)
   std::uint32_t pid = 0;  // from SO_PEERCRED, for logs and stats
   std::uint32_t uid = 0;
 };
@@ -74,11 +111,15 @@ struct ClientStats {
   std::uint32_t pid = 0, uid = 0;
   std::uint64_t messages_in = 0, messages_out = 0, bytes_in = 0, bytes_out = 0;
   std::size_t queued_bytes = 0;
+  std::size_t memory_held = 0;  // its Account
+  bool paused = false;          // not read: over its memory limit
 };
 
 struct RouterStats {
   std::uint64_t routed = 0, delivered_locally = 0, dead_replies = 0, dropped_logged = 0;
   std::size_t streams = 0, routes = 0, handlers = 0;
+  std::size_t pending_calls = 0;
+  std::size_t memory_held = 0, memory_limit = 0;  // all peers together
 };
 
 class Router : public StreamListener, public ShutdownParticipant {
@@ -99,6 +140,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   const RouterOptions& options() const { return opts_; }
 
   // --- any thread ---
+  // Throws Error if an explicit handle is taken (or is a call handle).
   std::uint32_t add_handler(HandlerFn fn, HandlerOptions opts = {}, std::uint32_t handle = 0);
   bool del_handler(std::uint32_t handle);
   // Sends from this context (src_id = auth_id = id()). Waits while the
@@ -106,13 +148,23 @@ class Router : public StreamListener, public ShutdownParticipant {
   // Throws QueueFullError, ChannelError (peer gone), ShutdownError, or Error
   // (message too large).
   void send(Message msg, std::chrono::milliseconds timeout = kDefaultSendTimeout);
+  // The same for bytes the caller keeps (copied; no Payload is built).
+  void send(std::uint32_t dst, std::uint32_t handle, std::span<const std::uint8_t> bytes,
+            std::uint16_t enc = kEncRaw, std::chrono::milliseconds timeout = kDefaultSendTimeout);
   // Like send(), but never waits: a destination queue at its high-water mark
   // throws QueueFullError at once (the "sender gets an error" policy).
   void route(Message msg);
+  // A reply that must never block its sender (a service worker): charged to
+  // the receiver however full its queue is, since the receiver asked for it.
+  // Errors (the receiver gone) are logged, not thrown.
+  void post_reply(Message msg);
   // A request whose reply (or dead reply, or CallError) completes the future.
-  // The timeout fails it with TimeoutError; a respondent that disconnects
-  // fails it at once with ChannelError.
+  // The timeout fails it with TimeoutError; a callee that disconnects fails
+  // it at once with ChannelError.
   std::future<Message> request(Message msg, std::chrono::milliseconds timeout);
+  // The same with a completion callback instead of a future: it runs once,
+  // on the broker thread, with the reply or the error.
+  void request(Message msg, std::chrono::milliseconds timeout, CallTable::Completion done);
   // The same, blocking: returns the reply or throws. Not on the broker thread.
   Message call(Message msg, std::chrono::milliseconds timeout);
   // Replies to a message that arrived here.
@@ -149,11 +201,13 @@ class Router : public StreamListener, public ShutdownParticipant {
 
   // StreamListener (broker thread)
   void on_stream_open(Stream& s) override;
+  void on_stream_frame(Stream& s, InFrame& f) override;
   void on_stream_message(Stream& s, Message&& m) override;
+  void on_stream_batch_begin(Stream& s) override;
   void on_stream_batch_end(Stream& s) override;
   void on_stream_invalid(Stream& s, const ParseResult& r) override;
   void on_stream_refused(Stream& s, Message&& m, const std::string& reason) override;  // fds.cpp
-  void on_stream_closed(Stream& s, const std::string& reason, std::vector<Message> unsent) override;
+  void on_stream_closed(Stream& s, const std::string& reason, Unsent unsent) override;
   // ShutdownParticipant (broker thread)
   void on_shutdown_begin() override;
   void on_shutdown_deadline() override;
@@ -166,51 +220,88 @@ class Router : public StreamListener, public ShutdownParticipant {
     std::string name;
     std::unordered_set<std::uint32_t> behind;   // contexts routed through this link
     std::unordered_set<std::uint32_t> egress;   // contexts this link sent to
+    std::uint32_t last_egress = 0;              // egress.insert() is skipped for repeats
     std::optional<ClientLinkOptions> client;    // set for a listener's clients
     Dialect dialect = Dialect::kSpindle;        // known once the handshake is done
+    std::uint64_t port_serial = 0;
+    bool dirty = false;                         // in dirty_: flushed at the batch's end
+    std::size_t pending_allocs = 0;             // ids allocated for it, not yet announced
+    LogBudget log_budget;
+    std::uint64_t refusals = 0;                 // since the last summary line
+    std::chrono::steady_clock::time_point refusal_logged_at{};
     // fds this peer has in flight through us (released as they are written).
     std::shared_ptr<std::atomic<std::size_t>> fds_in_flight =
         std::make_shared<std::atomic<std::size_t>>(0);
   };
-  // A pending call's deadline; expire() fails it with TimeoutError.
-  struct CallDeadline {
-    Clock::time_point when;
-    std::function<void()> expire;
+  // The stream a sender on another thread charges and may write to.
+  struct PortRef {
+    std::shared_ptr<StreamPort> port;
+    std::uint64_t serial = 0;
   };
-  struct Outgoing {
-    Message msg;
-    std::shared_ptr<OutputGauge> gauge;  // charged on the sender's thread
-    std::optional<CallDeadline> deadline;  // for requests: armed on the broker thread
+  // Output corked for the duration of a batch, flushed at its end, also when
+  // a handler throws out of it.
+  class BatchScope {
+   public:
+    explicit BatchScope(Router& r) : r_(r) { ++r_.batch_depth_; }
+    ~BatchScope() {
+      if (--r_.batch_depth_ == 0) r_.flush_dirty();
+    }
+    BatchScope(const BatchScope&) = delete;
+    BatchScope& operator=(const BatchScope&) = delete;
+
+   private:
+    Router& r_;
   };
 
-  using CallCompletion = std::function<void(Message&&, std::exception_ptr)>;
-  void start_call(Message msg, std::chrono::milliseconds timeout, CallCompletion done);
-  void send_impl(Message msg, std::chrono::milliseconds timeout,
-                 std::optional<CallDeadline> deadline);
-  // broker thread
-  void arm_deadline(std::uint32_t handle, CallDeadline d);
-  void arm_deadline_timer(Clock::time_point when);
-  void cancel_deadline(std::uint32_t handle);
-  void expire_deadlines();
+  // send.cpp: the application threads' side and the outbox
+  void submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
+              std::chrono::milliseconds timeout, bool wait, std::uint32_t async_slot = 0,
+              bool reply = false);
+  bool deliver_here(Header& h, std::span<const std::uint8_t> bytes, Message* msg);
+  PortRef port_for(std::uint32_t dst);
   void drain_outbox();
-  void flush_dirty();
-  void route_local_origin(Outgoing&& out);
-  void forward(Link& in, Message&& m);
-  void deliver(Message&& m, Link* in);
+  void route_local_origin(OutboxRecord& rec, std::span<const std::uint8_t> bytes, Message* msg);
+  // forward.cpp: the broker thread's routing
+  bool reverse_path_ok(Link& in, const Header& h);
+  void note_egress(Link& in, std::uint32_t dst);
+  Link* forward_target(Link& in, const Header& h, std::size_t body);
+  void refuse_full(Link& out, const Header& h);
+  void forward(Link& in, InFrame& f);
   void dispatch_local(Message&& m);
-  bool handle_control(Link& in, Message& m);
-  void send_dead(const Message& about, std::string reason);
-  void send_internal(Message&& m);  // charge-free, broker thread: control and dead
+  void complete_call(Message&& m);
+  bool handle_control(Link& in, Message& m);  // control_handles.cpp
+  void allocate_for(Message&& m);
+  bool accept_add_route(Link& in, std::uint32_t target);
+  void forget_allocations(Link& l);
+  void forward_log(Link& in, const Message& m);
+  Header dead_header(const Header& about) const;
+  void send_dead(const Header& about, std::string reason);
+  void send_internal(Message&& m);  // broker thread: control messages of ours
+  void route_internal(Message&& m);
   bool enqueue_on(Link& out, Message&& m, std::size_t charged);
   // A Mitogen peer cannot decode a Spindle encoding: says why instead.
   void refuse_undecodable(Link& out, Message&& m);
+  void flush_dirty();
+  void mark_dirty(Link& l);
+  // drops.cpp: what could not be answered, counted and logged in summary
+  void note_undeliverable(const Header& h, const std::string& why);
+  void note_refusal(Link& in, std::string_view kind, const std::string& why);
+  // calls.cpp
+  std::exception_ptr timeout_error(std::uint32_t callee, std::chrono::milliseconds timeout) const;
+  void arm_call_timer();
+  // links.cpp
   Link* route_for(std::uint32_t dst);
   Link* link_of(const Stream& s);
   void add_route(std::uint32_t id, Link& via);
   void remove_route(std::uint32_t id);
-  // Fails what waited on `id`, fires its watchers and sends DEL_ROUTE to the
-  // parent and to every link that talked to it, except `told_by`.
-  void context_gone(std::uint32_t id, const std::string& reason, Link* told_by = nullptr);
+  void publish_routes();
+  // Fails what waited on `ids`, fires their watchers and sends DEL_ROUTE to
+  // the parent and to every link that talked to them, except `told_by`.
+  void contexts_gone(const std::vector<std::uint32_t>& ids, const std::string& reason,
+                     Link* told_by = nullptr);
+  void context_gone(std::uint32_t id, const std::string& reason, Link* told_by = nullptr) {
+    contexts_gone(std::vector<std::uint32_t>{id}, reason, told_by);
+  }
   void announce(std::uint32_t handle, const std::string& payload, Link* skip,
                 const std::unordered_set<Link*>& to);
   void maybe_drained();
@@ -218,9 +309,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   bool hold(Message& m);
   Link& register_link(std::shared_ptr<Stream> s, StreamRole role, std::uint32_t remote_id,
                       const std::string& name);
+  StreamOptions stream_options(const std::string& name) const;
   void client_opened(Link& l);
-  std::shared_ptr<OutputGauge> gauge_for(std::uint32_t dst);
-  void fail_handlers(std::vector<HandlerPtr> hs, const std::string& reason);
   // fds.cpp: a sender's fds and large payloads (any thread), the per-peer fd
   // quota when forwarding, and mapping a memfd body before local delivery.
   void prepare_fds_for_send(Message& msg);
@@ -229,39 +319,51 @@ class Router : public StreamListener, public ShutdownParticipant {
 
   Broker& broker_;
   RouterOptions opts_;
+  const std::uint64_t serial_;  // this router among all in the process (route caches)
   std::atomic<std::uint32_t> id_{0};
   std::atomic<std::uint32_t> next_id_{1};  // root only
+  // Root: ids handed out by ALLOCATE_ID and not yet announced, with the
+  // context that asked: only the link that reaches it may announce the id,
+  // once (an id whose context has gone can never be claimed again).
+  std::unordered_map<std::uint32_t, std::uint32_t> allocated_by_;
   std::atomic<bool> parent_up_{false};
-  HandlerTable handlers_;
+  std::shared_ptr<MemoryBudget> budget_;
+  std::shared_ptr<BudgetRelief> relief_;
+  CallTable calls_;
+  Outbox outbox_;
+  int wake_sink_ = 0;
 
   // broker thread only
+  HandlerTable handlers_;
   std::unordered_map<Stream*, std::unique_ptr<Link>> links_;
+  std::unordered_map<std::uint64_t, Link*> links_by_port_;
   std::atomic<std::size_t> clients_{0};
   std::unordered_map<std::uint32_t, Link*> routes_;
+  // For each context, the links that sent to it: told when it goes (DEL_ROUTE).
+  std::unordered_map<std::uint32_t, std::unordered_set<Link*>> talkers_;
   Link* parent_ = nullptr;
-  std::unordered_set<Stream*> dirty_;
+  std::vector<std::shared_ptr<Stream>> dirty_;
   int batch_depth_ = 0;
   bool shutting_down_ = false;
-  // Pending-call deadlines: one timer, armed for the earliest, re-armed only
-  // when an earlier deadline arrives or the armed one fires.
-  std::multimap<Clock::time_point, std::pair<std::uint32_t, std::function<void()>>> deadlines_;
-  std::unordered_map<std::uint32_t, decltype(deadlines_)::iterator> deadline_of_;
-  asio::steady_timer deadline_timer_;
-  Clock::time_point armed_for_ = Clock::time_point::max();
+  asio::steady_timer call_timer_;
+  Clock::time_point call_timer_at_ = Clock::time_point::max();
   bool hold_unknown_ = false;
   std::vector<Message> held_unknown_;
   std::size_t held_bytes_ = 0;
   std::unordered_set<std::uint32_t> held_handles_;  // handles with messages held
   RouterStats stats_;
+  struct Drops {
+    std::uint64_t count = 0;
+    std::string last;
+    Clock::time_point logged_at{};
+  } drops_;
 
-  // any thread
-  mutable std::mutex gauges_mu_;
-  std::unordered_map<std::uint32_t, std::shared_ptr<OutputGauge>> gauges_;
-  std::shared_ptr<OutputGauge> parent_gauge_;
-  std::optional<std::uint32_t> parent_id_;  // guarded by gauges_mu_
-
-  std::mutex outbox_mu_;
-  std::vector<Outgoing> outbox_;
+  // any thread: the ports application threads send through
+  std::atomic<std::uint64_t> route_epoch_{1};
+  mutable std::mutex ports_mu_;
+  std::unordered_map<std::uint32_t, PortRef> ports_;  // guarded by ports_mu_
+  PortRef parent_port_;                               // guarded by ports_mu_
+  std::optional<std::uint32_t> parent_id_;            // guarded by ports_mu_
 
   std::mutex disconnect_mu_;
   std::unordered_map<std::uint32_t, std::vector<std::function<void(const std::string&)>>>

@@ -51,7 +51,9 @@ std::string format_stats(Router& router, Listener* listener) {
 
 std::unique_ptr<Service> make_stats_service(Router& router, Listener* listener) {
   auto s = std::make_unique<Service>(kStatsService);
-  s->expose(kStatsMethod, Access::parents(), [&router, listener](Request&) {
+  // Any admitted client may read the stats: the listener admits only the
+  // router's uid and --allow-uid ones (docs/ROUTER.md).
+  s->expose(kStatsMethod, Access::any(), [&router, listener](Request&) {
     return Payload::copy_of(format_stats(router, listener));
   });
   return s;

@@ -31,6 +31,10 @@ class OutputGauge {
   explicit OutputGauge(std::size_t high_water_mark = kDefaultHighWaterMark) : hwm_(high_water_mark) {}
 
   bool try_acquire(std::size_t n);
+  // Always succeeds, even over the mark: for what the broker queues on the
+  // peer's own account (dead replies to it, control messages, the rest of a
+  // frame a user thread began writing).
+  void charge(std::size_t n) { queued_.fetch_add(n, std::memory_order_acq_rel); }
   Admit acquire(std::size_t n, std::chrono::steady_clock::time_point deadline);
   void release(std::size_t n);
   void close();

@@ -1,3 +1,6 @@
+// A frame handed out stays in the receive buffer until the parser's next
+// call: the listener may look at it, copy it onward or take it, and only then
+// are its bytes dropped (an untaken frame costs no Payload at all).
 #include "stream/parser.h"
 
 #include <algorithm>
@@ -12,6 +15,7 @@ namespace spindle {
 bool FrameParser::body_wants_bytes() const { return in_body_ && body_filled_ < pending_.length; }
 
 std::span<std::uint8_t> FrameParser::read_target() {
+  finish_pending();
   if (body_wants_bytes()) return {body_->data() + body_filled_, pending_.length - body_filled_};
   return rx_.write_space();
 }
@@ -25,6 +29,7 @@ void FrameParser::commit(std::size_t n) {
 }
 
 void FrameParser::feed(std::span<const std::uint8_t> bytes) {
+  finish_pending();
   while (!bytes.empty()) {
     auto dst = read_target();
     std::size_t n = std::min(dst.size(), bytes.size());
@@ -52,36 +57,81 @@ bool FrameParser::wants_direct_body(const Header& h) const {
 }
 
 // Consumes the (validated) header and the body bytes buffered so far into one
-// buffer of the body's exact size; later reads land there directly. Returns
-// the bytes consumed.
+// buffer of the body's exact size, charged to the peer; later reads land
+// there directly. Returns the bytes consumed.
 std::size_t FrameParser::begin_direct_body(const Header& h) {
   std::size_t body_buffered = rx_.readable() - kHeaderSize;
   rx_.drop(kHeaderSize);
   body_ = std::make_shared<Chunk>(h.length);
-  body_filled_ = body_buffered;
+  if (account_) {
+    account_->charge(h.length);
+    body_->charge_to(Charge(account_, h.length));
+  }
+  body_filled_ = body_reported_ = body_buffered;
   rx_.read_into(body_->data(), body_buffered);
   pending_ = h;
   in_body_ = true;
   return kHeaderSize + body_buffered;
 }
 
-ParseResult FrameParser::next(Message& out) {
+void FrameParser::finish_pending() {
+  InFrame* f = std::exchange(out_, nullptr);
+  if (!f) return;
+  if (f->direct_) {
+    body_.reset();
+    in_body_ = false;
+    body_filled_ = body_reported_ = 0;
+  } else if (!f->taken_) {
+    rx_.drop(kHeaderSize + f->size_);
+  }
+}
+
+Message InFrame::take() { return parser_->take(*this); }
+
+Message FrameParser::take(InFrame& f) {
+  Message m;
+  m.header = f.header;
+  if (f.taken_) return m;  // taken twice: the second one is empty
+  f.taken_ = true;
+  if (f.direct_) {
+    m.data = Payload::adopt(std::move(body_), f.size_);
+  } else {
+    rx_.drop(kHeaderSize);
+    m.data = rx_.take(f.size_);
+  }
+  return m;
+}
+
+ParseResult FrameParser::next(InFrame& out) {
+  finish_pending();
   ParseResult r = next_frame(out);
   r.consumed += unreported_consumed_;
   unreported_consumed_ = 0;
+  if (r.status == ParseStatus::kComplete) out_ = &out;
   return r;
 }
 
-ParseResult FrameParser::next_frame(Message& out) {
+ParseResult FrameParser::next(Message& out) {
+  InFrame f;
+  ParseResult r = next(f);
+  if (r.status == ParseStatus::kComplete) {
+    out = f.take();
+    finish_pending();
+  }
+  return r;
+}
+
+ParseResult FrameParser::next_frame(InFrame& out) {
   ParseResult r;
+  out.parser_ = this;
+  out.taken_ = false;
   if (in_body_) {
     if (body_filled_ < pending_.length) return r;  // kNeedMore
     out.header = pending_;
-    out.data = Payload::adopt(std::move(body_), pending_.length);
-    in_body_ = false;
-    body_filled_ = 0;
+    out.size_ = pending_.length;
+    out.direct_ = true;
     r.status = ParseStatus::kComplete;
-    r.consumed = 0;  // the body bytes were consumed as they were read
+    r.consumed = pending_.length - body_reported_;  // read straight into the body
     r.header = pending_;
     r.header_valid = true;
     return r;
@@ -105,9 +155,9 @@ ParseResult FrameParser::next_frame(Message& out) {
 
   std::size_t body_buffered = rx_.readable() - kHeaderSize;
   if (body_buffered >= h.length) {
-    rx_.drop(kHeaderSize);
     out.header = h;
-    out.data = rx_.take(h.length);
+    out.size_ = h.length;
+    out.direct_ = false;
     r.status = ParseStatus::kComplete;
     r.consumed = kHeaderSize + h.length;
     return r;

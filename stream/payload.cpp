@@ -33,6 +33,16 @@ void Payload::append(Slice s) {
   slices_.push_back(std::move(s));
 }
 
+Payload Payload::owned_copy() const {
+  if (size_ == 0) return {};
+  std::shared_ptr<std::uint8_t[]> buf = std::make_shared_for_overwrite<std::uint8_t[]>(size_);
+  copy_to(buf.get());
+  Payload p;
+  const std::uint8_t* data = buf.get();
+  p.append(Slice{std::move(buf), data, size_});
+  return p;
+}
+
 std::string Payload::to_string() const {
   std::string out(size_, '\0');
   copy_to(reinterpret_cast<std::uint8_t*>(out.data()));

@@ -18,12 +18,16 @@
 #include <string_view>
 #include <boost/container/small_vector.hpp>
 
+#include "stream/account.h"
+
 namespace spindle {
 
 class SealedMemfd;  // shm/memfd.h
 
 // A heap buffer of fixed capacity. Not zero-filled: every byte handed out has
-// been written by a read() or a copy first.
+// been written by a read() or a copy first. A chunk that payloads keep alive
+// on a peer's behalf (a receive chunk a handler holds on to, a large body)
+// carries the charge to that peer's account, released with the chunk.
 class Chunk {
  public:
   explicit Chunk(std::size_t capacity)
@@ -31,14 +35,21 @@ class Chunk {
   std::uint8_t* data() { return data_.get(); }
   const std::uint8_t* data() const { return data_.get(); }
   std::size_t capacity() const { return capacity_; }
+  // Only while the caller holds the only other reference it knows of (the
+  // receive buffer's): set before the chunk is shared further.
+  void charge_to(Charge c) { charge_ = std::move(c); }
 
  private:
   std::unique_ptr<std::uint8_t[]> data_;
   std::size_t capacity_;
+  Charge charge_;
 };
 
 struct Slice {
-  std::shared_ptr<const void> owner;  // keeps the bytes alive (a Chunk, or a byte array)
+  // Keeps the bytes alive (a Chunk, or a byte array). Null only in a
+  // transient view of the caller's memory, which must be copied (owned_copy)
+  // before it outlives the call that made it.
+  std::shared_ptr<const void> owner;
   const std::uint8_t* data = nullptr;
   std::size_t size = 0;
 };
@@ -64,6 +75,7 @@ class Payload {
 
   // Explicit copies, for small payloads and for callers that need contiguity.
   std::string to_string() const;
+  Payload owned_copy() const;  // one owned buffer holding the same bytes
   void copy_to(std::uint8_t* out) const;
   // The bytes without a copy, when they already sit in one slice.
   std::span<const std::uint8_t> contiguous() const;

@@ -6,7 +6,23 @@
 
 namespace spindle {
 
-std::shared_ptr<Chunk> RxBuffer::new_chunk() { return std::make_shared<Chunk>(kChunkSize); }
+std::shared_ptr<Chunk> RxBuffer::new_chunk() {
+  if (spare_) return std::move(spare_);
+  return std::make_shared<Chunk>(kChunkSize);
+}
+
+// A chunk leaves the deque: kept as the spare if nobody holds it, otherwise
+// charged to the peer until the payloads holding it are gone.
+void RxBuffer::retire(std::shared_ptr<Chunk> c) {
+  if (c.use_count() == 1) {
+    if (!spare_) spare_ = std::move(c);
+    return;
+  }
+  if (account_) {
+    account_->charge(c->capacity());
+    c->charge_to(Charge(account_, c->capacity()));
+  }
+}
 
 std::span<std::uint8_t> RxBuffer::write_space() {
   if (chunks_.empty()) {
@@ -81,6 +97,7 @@ void RxBuffer::release_consumed_front() {
     std::size_t end = last ? tail_ : chunks_.front()->capacity();
     if (head_ < end) return;
     if (!last) {
+      retire(std::move(chunks_.front()));
       chunks_.pop_front();
       head_ = 0;
       continue;
@@ -88,6 +105,7 @@ void RxBuffer::release_consumed_front() {
     if (chunks_.front().use_count() == 1) {
       head_ = tail_ = 0;
     } else if (tail_ == chunks_.front()->capacity()) {
+      retire(std::move(chunks_.front()));
       chunks_.pop_front();
       head_ = tail_ = 0;
     }

@@ -7,11 +7,18 @@
 // after the payload's range may still be appended to it, which is safe because
 // nobody reads them until they are committed.
 //
+// Memory: a chunk is reused in place once nobody else holds it, and one spare
+// is kept, so a peer whose messages are handled and let go costs no
+// allocation per chunk. A chunk retired while payloads still hold it is
+// charged, whole, to the peer's account until they let go (a 64-byte message
+// kept by a handler pins 128 KiB, and that is what it costs).
+//
 // Thread safety: owned by one Stream and used only on the broker thread.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <span>
@@ -35,17 +42,44 @@ class RxBuffer {
   // Copies `n` bytes out and consumes them.
   void read_into(std::uint8_t* out, std::size_t n);
 
+  // Calls fn(const std::uint8_t*, std::size_t) for each contiguous span of
+  // the `n` readable bytes that start `offset` bytes in, without consuming.
+  template <class F>
+  void visit(std::size_t offset, std::size_t n, F&& fn) const;
+
   std::size_t readable() const { return readable_; }
   std::size_t chunk_count() const { return chunks_.size(); }
+  // Chunks retired while still held get charged here (may be null).
+  void set_account(std::shared_ptr<Account> a) { account_ = std::move(a); }
 
  private:
   std::shared_ptr<Chunk> new_chunk();
   void release_consumed_front();
+  void retire(std::shared_ptr<Chunk> c);
 
+  std::shared_ptr<Account> account_;
+  std::shared_ptr<Chunk> spare_;
   std::deque<std::shared_ptr<Chunk>> chunks_;
   std::size_t head_ = 0;  // read offset in chunks_.front()
   std::size_t tail_ = 0;  // write offset in chunks_.back()
   std::size_t readable_ = 0;
 };
+
+template <class F>
+void RxBuffer::visit(std::size_t offset, std::size_t n, F&& fn) const {
+  std::size_t off = head_ + offset;
+  for (std::size_t i = 0; n > 0; ++i) {
+    const Chunk& c = *chunks_[i];
+    std::size_t end = (i + 1 == chunks_.size()) ? tail_ : c.capacity();
+    if (off >= end) {
+      off -= end;
+      continue;
+    }
+    std::size_t len = std::min(n, end - off);
+    fn(c.data() + off, len);
+    n -= len;
+    off = 0;
+  }
+}
 
 }  // namespace spindle

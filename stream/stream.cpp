@@ -4,11 +4,15 @@
 // others. recvmsg rather than Asio's async_read_some because fds arrive as
 // ancillary data (MSG_CMSG_CLOEXEC, MSG_CTRUNC checked on every call). After
 // a read that filled its target the next one is posted (more is likely
-// waiting); after a short read the stream waits for readability. Writes: the
-// stream does its own non-blocking writev()/sendmsg() of many frames and
-// waits for writability only when the socket is full; an SF frame starts its
-// own sendmsg and carries its fds as SCM_RIGHTS. The fd-specific steps
-// (receiving and binding fds, framing and refusing) are in stream_fds.cpp.
+// waiting); after a short read the stream waits for readability. Before each
+// read the peer's account is checked: over its limit, the stream stops
+// reading until a release brings it back under (Account::on_relief).
+//
+// Writes: the stream does its own non-blocking writev()/sendmsg() of many
+// frames from its TxQueue and waits for writability only when the socket is
+// full. The TxGate (port.h) is checked first: an application thread may be
+// writing a frame of its own right now. The fd steps (receiving and binding
+// fds, framing SF frames and refusing) are in stream_fds.cpp.
 #include "stream/stream.h"
 
 #include <fcntl.h>
@@ -21,7 +25,9 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <mutex>
 #include <system_error>
+#include <thread>
 
 #include <asio/post.hpp>
 #include <fmt/format.h>
@@ -33,8 +39,6 @@ namespace spindle {
 namespace {
 
 constexpr int kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
-constexpr std::size_t kSmallFrame = 2048;          // copied into the staging buffer
-constexpr std::size_t kStagingSize = 256 * 1024;   // per write, at most
 
 void set_nonblocking(int fd) {
   int fl = ::fcntl(fd, F_GETFL);
@@ -77,6 +81,19 @@ std::string failure(const char* what, int err) {
 
 }  // namespace
 
+// Resumes a paused reader from whichever thread released the charge that
+// brought its account back under the limit. It posts to the broker only while
+// the stream lives: the stream clears `broker` under the mutex as it dies, so
+// a payload released long after never touches a broker that is gone.
+struct ReadResumer {
+  std::mutex mu;
+  Broker* broker = nullptr;
+  std::weak_ptr<Stream> stream;
+  void fire();
+};
+
+void StreamListener::on_stream_frame(Stream& s, InFrame& f) { on_stream_message(s, f.take()); }
+
 void StreamListener::on_stream_refused(Stream& s, Message&& m, const std::string& reason) {
   log().warn("stream={} message to context {} handle {} not delivered: {}", s.name(),
              m.header.dst_id, m.header.handle, reason);
@@ -95,8 +112,18 @@ const char* to_string(StreamState s) {
 std::shared_ptr<Stream> Stream::create(Broker& broker, int read_fd, int write_fd,
                                        StreamOptions opts, std::unique_ptr<Handshake> handshake,
                                        StreamListener* listener) {
-  return std::shared_ptr<Stream>(
-      new Stream(broker, read_fd, write_fd, std::move(opts), std::move(handshake), listener));
+  std::shared_ptr<Stream> s;
+  try {
+    s.reset(new Stream(broker, read_fd, write_fd, std::move(opts), std::move(handshake), listener));
+  } catch (...) {
+    // The constructor adopts no fd until nothing else can throw: they are
+    // still ours to close.
+    ::close(read_fd);
+    if (write_fd != read_fd) ::close(write_fd);
+    throw;
+  }
+  s->wire_up();
+  return s;
 }
 
 Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
@@ -106,20 +133,68 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
       listener_(listener),
       rd_(broker.io()),
       handshake_(std::move(handshake)),
-      gauge_(std::make_shared<OutputGauge>(opts_.high_water_mark)),
-      handshake_timer_(broker.io()) {
+      account_(std::make_shared<Account>(opts_.memory_limit, opts_.budget)),
+      port_(std::make_shared<StreamPort>(opts_.high_water_mark)),
+      tx_(account_.get()),
+      handshake_timer_(broker.io()),
+      stall_timer_(broker.io()),
+      resumer_(std::make_shared<ReadResumer>()) {
   set_nonblocking(read_fd);
-  rd_.assign(read_fd);
-  if (write_fd != read_fd) {
-    set_nonblocking(write_fd);
-    wr_.emplace(broker.io());
-    wr_->assign(write_fd);
-  }
+  if (write_fd != read_fd) set_nonblocking(write_fd);
   is_socket_ = fd_is_socket(write_fd);
+  if (write_fd != read_fd) wr_.emplace(broker.io());
+  // From here on nothing throws before both fds are adopted.
+  std::error_code ec;
+  rd_.assign(read_fd, ec);
+  if (ec) throw std::system_error(ec, "adopting the stream's fd");
+  if (wr_) {
+    wr_->assign(write_fd, ec);
+    if (ec) {
+      rd_.release();  // create() closes both
+      throw std::system_error(ec, "adopting the stream's write fd");
+    }
+  }
   if (is_socket_) enlarge_socket_buffers(write_fd, opts_.name);
   had_handshake_ = handshake_ != nullptr;
   // fds travel only over one socket carrying both directions.
   if (handshake_ && is_socket_ && write_fd == read_fd) handshake_->offer_flags(kFlagFdPassing);
+  rx_.set_account(account_);
+  port_->fd = write_fd;
+  port_->is_socket = is_socket_ && !wr_;
+  port_->name = opts_.name;
+}
+
+// Callbacks that need a weak_ptr to this stream: set once it is owned.
+void Stream::wire_up() {
+  std::weak_ptr<Stream> weak = weak_from_this();
+  resumer_->broker = &broker_;
+  resumer_->stream = weak;
+  account_->on_relief([r = resumer_] { r->fire(); });
+  Broker* broker = &broker_;
+  std::shared_ptr<StreamPort> port = port_;
+  port_->hand_over = [weak, broker, resumer = resumer_, port = port.get()](TxFrame* rest,
+                                                                           const std::string& error) {
+    auto frame = rest ? std::make_shared<TxFrame>(std::move(*rest)) : nullptr;
+    bool posted = false;
+    {
+      std::lock_guard lk(resumer->mu);
+      if (resumer->broker)
+        posted = broker->try_post([weak, frame, error] {
+          if (auto s = weak.lock()) s->take_over(frame.get(), error);
+        });
+    }
+    // The broker is gone: nobody will take the frame; give the fd back so
+    // the stream's end never waits for it.
+    if (!posted && frame) port->gate.clear_user();
+  };
+}
+
+void ReadResumer::fire() {
+  std::lock_guard lk(mu);
+  if (!broker) return;
+  broker->try_post([w = stream] {
+    if (auto s = w.lock()) s->resume_reading();
+  });
 }
 
 bool Stream::peer_takes_fds() const {
@@ -127,7 +202,26 @@ bool Stream::peer_takes_fds() const {
   return !had_handshake_ || (peer_.flags & kFlagFdPassing) != 0;
 }
 
+void Stream::set_name(std::string name) {
+  opts_.name = std::move(name);
+  port_->name = opts_.name;  // read only by the broker thread's own logs
+}
+
 Stream::~Stream() {
+  {
+    std::lock_guard lk(resumer_->mu);
+    resumer_->broker = nullptr;
+  }
+  // An application thread may be in the middle of a direct write: the fd must
+  // stay open (its number not reused) until it lets go.
+  port_->gate.close();
+  while (port_->gate.load() & TxGate::kUser) std::this_thread::yield();
+  close_fds();
+}
+
+void Stream::close_fds() {
+  if (fds_closed_) return;
+  fds_closed_ = true;
   std::error_code ignored;
   rd_.close(ignored);
   if (wr_) wr_->close(ignored);
@@ -147,7 +241,50 @@ void Stream::start() {
   } else {
     state_ = StreamState::kOpen;
     parser_.emplace(rx_, opts_.max_message_size);
+    parser_->set_account(account_);
+    if (port_->is_socket) port_->gate.allow_direct();
+    flush();
   }
+  arm_read();
+}
+
+// Over the memory limit: stop reading. A stall timer disconnects a peer that
+// stays over while its own output makes no progress (it neither reads what we
+// hold for it nor lets us drop anything).
+bool Stream::over_limit() {
+  if (!account_->over()) return false;
+  if (!paused_) {
+    paused_ = true;
+    ++stats_.read_pauses;
+    log().debug("stream={} reading paused: the peer holds {} bytes (limit {})", name(),
+                account_->held(), account_->limit());
+    arm_stall_timer();
+  }
+  return true;
+}
+
+void Stream::arm_stall_timer() {
+  if (opts_.stall_timeout.count() <= 0) return;
+  stall_mark_ = stats_.bytes_out;
+  stall_timer_.expires_after(opts_.stall_timeout);
+  stall_timer_.async_wait([self = shared_from_this()](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted || !self->paused_ ||
+        self->state_ == StreamState::kClosed)
+      return;
+    if (self->stats_.bytes_out != self->stall_mark_) return self->arm_stall_timer();
+    self->close(fmt::format("the peer stayed over its memory limit ({} bytes held, limit {}) "
+                            "for {} ms without reading",
+                            self->account_->held(), self->account_->limit(),
+                            self->opts_.stall_timeout.count()));
+  });
+}
+
+void Stream::resume_reading() {
+  if (!paused_ || state_ == StreamState::kClosed) return;
+  if (account_->over()) return;  // another release will bring us back
+  paused_ = false;
+  stall_timer_.cancel();
+  log().debug("stream={} reading resumed", name());
   arm_read();
 }
 
@@ -156,6 +293,7 @@ void Stream::start() {
 // empty); after a full read the next read is posted instead.
 void Stream::arm_read() {
   if (read_armed_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  if (over_limit()) return;
   read_armed_ = true;
   rd_.async_wait(asio::posix::descriptor_base::wait_read,
                  [self = shared_from_this()](const std::error_code& ec) {
@@ -169,6 +307,7 @@ void Stream::arm_read() {
 
 void Stream::do_read() {
   if (state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  if (over_limit()) return;
   std::span<std::uint8_t> target = parser_ ? parser_->read_target() : rx_.write_space();
   ssize_t n;
   do {
@@ -202,6 +341,8 @@ void Stream::on_read(std::size_t n, bool filled) {
   if (parser_) parser_->commit(n);
   else rx_.commit(n);
   stats_.bytes_in += n;
+  // The peer spoke: an application thread may write the next request itself.
+  if (state_ == StreamState::kOpen && port_->is_socket) port_->gate.allow_direct();
   process_input();
   if (!filled) return arm_read();
   if (read_armed_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
@@ -217,14 +358,14 @@ void Stream::on_read(std::size_t n, bool filled) {
 bool Stream::run_handshake() {
   std::vector<std::uint8_t> reply;
   HandshakeResult r = handshake_->consume(rx_, reply);
-  if (!reply.empty()) queue_raw(std::move(reply));
+  if (!reply.empty()) queue_raw(reply);
   if (r.status == HandshakeStatus::kNeedMore) return true;
   if (r.status == HandshakeStatus::kInvalid) {
     log().warn("stream={} handshake failed: {}", name(), r.error);
     close_reason_ = "handshake failed: " + r.error;
     close_after_flush_ = true;
     flush();
-    if (state_ != StreamState::kClosed && txq_.empty()) close(close_reason_);
+    if (state_ != StreamState::kClosed && tx_.empty()) close(close_reason_);
     return false;
   }
   peer_ = handshake_->peer();
@@ -232,10 +373,13 @@ bool Stream::run_handshake() {
   handshake_timer_.cancel();
   state_ = drain_started_here_ ? StreamState::kDraining : StreamState::kOpen;
   parser_.emplace(rx_, opts_.max_message_size);
+  parser_->set_account(account_);
   // Framed only now: whether fds may go depends on what the peer announced.
   std::deque<HeldMessage> held;
   held.swap(held_);
   for (HeldMessage& h : held) push_frame(std::move(h.msg), h.charged);
+  if (state_ == StreamState::kOpen && port_->is_socket) port_->gate.allow_direct();
+  else port_->gate.close();
   flush();
   listener_->on_stream_open(*this);
   return state_ != StreamState::kClosed;
@@ -244,9 +388,20 @@ bool Stream::run_handshake() {
 void Stream::process_input() {
   if (state_ == StreamState::kHandshaking && !run_handshake()) return;
   if (!parser_) return;
+  // The batch ends however the loop ends (a handler may throw through it):
+  // the listener flushes what it corked, always. `f` outlives the batch,
+  // whose end consumes the frame last handed out.
+  InFrame f;
+  struct Batch {
+    Stream& s;
+    explicit Batch(Stream& st) : s(st) { s.listener_->on_stream_batch_begin(s); }
+    ~Batch() {
+      s.parser_->finish();
+      s.listener_->on_stream_batch_end(s);
+    }
+  } batch(*this);
   while (state_ != StreamState::kClosed) {
-    Message m;
-    ParseResult r = parser_->next(m);
+    ParseResult r = parser_->next(f);
     if (r.status == ParseStatus::kNeedMore) {
       if (orphan_fds()) {
         ParseResult bad;
@@ -261,12 +416,15 @@ void Stream::process_input() {
       protocol_error(r);
       break;
     }
-    if (m.header.enc == kEncFds && !bind_fds(m)) continue;
     ++stats_.messages_in;
-    listener_->on_stream_message(*this, std::move(m));
+    deliver(f);
   }
-  // Always, even after a close: the listener may have corked other streams.
-  listener_->on_stream_batch_end(*this);
+}
+
+void Stream::deliver(InFrame& f) {
+  if (f.header.enc != kEncFds) return listener_->on_stream_frame(*this, f);
+  Message m = f.take();
+  if (bind_fds(m)) listener_->on_stream_message(*this, std::move(m));
 }
 
 void Stream::protocol_error(const ParseResult& r) {
@@ -275,30 +433,35 @@ void Stream::protocol_error(const ParseResult& r) {
   close_reason_ = "protocol error: " + r.error;
   close_after_flush_ = true;
   flush();
-  if (state_ != StreamState::kClosed && txq_.empty()) close(close_reason_);
+  if (state_ != StreamState::kClosed && tx_.empty()) close(close_reason_);
 }
 
 void Stream::on_eof() {
   eof_seen_ = true;
   if (state_ == StreamState::kHandshaking) return close("peer closed during handshake");
-  if (parser_ && parser_->buffered() > 0)
-    return close("peer closed mid-message (" + std::to_string(parser_->buffered()) +
+  if (parser_ && parser_->partial())
+    return close("peer closed mid-message (" + std::to_string(parser_->partial_bytes()) +
                  " bytes of a partial frame)");
   if (state_ == StreamState::kOpen) state_ = StreamState::kDraining;
+  port_->gate.close();
   // Answer the goodbye: flush, then half-close; closing follows from flush().
   flush();
-  if (state_ != StreamState::kClosed && txq_.empty()) {
+  if (state_ != StreamState::kClosed && tx_.empty() && !write_armed_) {
     half_close();
     close("peer closed the connection");
   }
 }
 
-void Stream::queue_raw(std::vector<std::uint8_t> bytes) {
+void Stream::queue_raw(const std::vector<std::uint8_t>& bytes) {
   if (bytes.empty()) return;
-  OutFrame f;
-  f.has_header = false;
-  f.payload = Payload::copy_of(std::span<const std::uint8_t>(bytes));
-  txq_.push_back(std::move(f));
+  tx_.append_raw(bytes.data(), bytes.size());
+  note_queued();
+}
+
+void Stream::note_queued() {
+  if (busy_) return;
+  busy_ = true;
+  port_->gate.mark_queued();
 }
 
 void Stream::enqueue(Message&& m, std::size_t charged) {
@@ -309,111 +472,101 @@ void Stream::enqueue(Message&& m, std::size_t charged) {
   push_frame(std::move(m), charged);
 }
 
-// Builds the iovecs for the next write from the unsent bytes of the queue.
-// Small frames are copied into one staging buffer, so a burst of tiny
-// messages is one segment for the kernel instead of two per frame; a large
-// payload is pointed at where it lies, never copied.
-int Stream::gather(iovec* iov, std::size_t& want) {
-  staging_.clear();
-  if (staging_.capacity() < kStagingSize) staging_.reserve(kStagingSize);
-  int cnt = 0;
-  auto add = [&](const std::uint8_t* p, std::size_t len, bool stage) {
-    if (len == 0) return;
-    want += len;
-    if (stage) {
-      std::uint8_t* dst = staging_.data() + staging_.size();
-      bool extends = cnt > 0 && static_cast<std::uint8_t*>(iov[cnt - 1].iov_base) +
-                                        iov[cnt - 1].iov_len == dst;
-      staging_.insert(staging_.end(), p, p + len);
-      if (extends) iov[cnt - 1].iov_len += len;
-      else iov[cnt++] = {dst, len};
-    } else {
-      iov[cnt++] = {const_cast<std::uint8_t*>(p), len};
-    }
-  };
-  for (const OutFrame& f : txq_) {
-    // An SF frame's fds go with its first byte, one such frame per sendmsg:
-    // it starts a write of its own.
-    if (!f.wire_fds.empty() && !f.fds_sent && cnt > 0) break;
-    std::size_t left = f.size() - f.sent;
-    bool stage = left <= kSmallFrame && staging_.size() + left <= kStagingSize;
-    // A frame that would not fit whole waits for the next write, unless it is
-    // first: then it goes out in parts (a payload may have > IOV_MAX slices).
-    if (!stage && cnt > 0 && cnt + 2 + static_cast<int>(f.payload.slices().size()) > kMaxIov) break;
-    std::size_t skip = f.sent;
-    if (f.has_header) {
-      if (skip < kHeaderSize) add(f.header.data() + skip, kHeaderSize - skip, stage);
-      skip = skip > kHeaderSize ? skip - kHeaderSize : 0;
-    }
-    for (const Slice& sl : f.payload.slices()) {
-      if (cnt == kMaxIov) break;
-      if (skip >= sl.size) {
-        skip -= sl.size;
-        continue;
-      }
-      add(sl.data + skip, sl.size - skip, stage);
-      skip = 0;
-    }
-    if (cnt >= kMaxIov - 1 || (stage && staging_.size() == kStagingSize)) break;
-    // Stop before a second SF frame (checked at the top of the next round).
+void Stream::enqueue_frame(const Header& header, InFrame& f, std::size_t charged) {
+  const std::size_t n = f.body_size();
+  if (state_ == StreamState::kHandshaking || n > kInlineBodyMax || header.enc == kEncFds) {
+    Message m = f.take();
+    m.header = header;
+    return enqueue(std::move(m), charged);
   }
-  return cnt;
+  Header h = header;
+  h.length = static_cast<std::uint32_t>(n);
+  const std::size_t wire = kHeaderSize + n;
+  if (charged < wire) port_->gauge.charge(wire - charged);
+  tx_.append_inline_with(encode_header(h), n, [&f](auto&& push) { f.for_each_body_span(push); });
+  note_queued();
+}
+
+void Stream::enqueue_bytes(const Header& header, std::span<const std::uint8_t> body,
+                           std::size_t charged) {
+  if (state_ == StreamState::kHandshaking || body.size() > kInlineBodyMax) {
+    Message m{header, Payload::copy_of(body)};
+    return enqueue(std::move(m), charged);
+  }
+  Header h = header;
+  h.length = static_cast<std::uint32_t>(body.size());
+  const std::size_t wire = kHeaderSize + body.size();
+  if (charged < wire) port_->gauge.charge(wire - charged);
+  tx_.append_inline(encode_header(h), body.data(), body.size());
+  note_queued();
 }
 
 void Stream::flush() {
   if (write_armed_ || state_ == StreamState::kClosed || write_shut_) return;
+  if (!tx_.empty() && !port_->gate.broker_may_write()) return;  // the writer's kick brings us back
   const int fd = writer().native_handle();
-  while (!txq_.empty()) {
+  while (!tx_.empty()) {
     iovec iov[kMaxIov];
-    std::size_t want = 0;
-    int cnt = gather(iov, want);
+    TxQueue::Gather g = tx_.gather(iov, kMaxIov);
+    if (!g.error.empty()) return close(g.error);
     ssize_t n;
-    OutFrame& first = txq_.front();
-    const bool with_fds = !first.wire_fds.empty() && !first.fds_sent;
     if (is_socket_) {
       msghdr mh{};
       mh.msg_iov = iov;
-      mh.msg_iovlen = static_cast<std::size_t>(cnt);
+      mh.msg_iovlen = static_cast<std::size_t>(g.iovcnt);
       alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
-      if (with_fds) {
-        const std::size_t bytes = sizeof(int) * first.wire_fds.size();
+      if (g.with_fds) {
+        const std::size_t bytes = sizeof(int) * g.with_fds->wire_fds.size();
         mh.msg_control = control;
         mh.msg_controllen = CMSG_SPACE(bytes);
         cmsghdr* c = CMSG_FIRSTHDR(&mh);
         c->cmsg_level = SOL_SOCKET;
         c->cmsg_type = SCM_RIGHTS;
         c->cmsg_len = CMSG_LEN(bytes);
-        std::memcpy(CMSG_DATA(c), first.wire_fds.data(), bytes);
+        std::memcpy(CMSG_DATA(c), g.with_fds->wire_fds.data(), bytes);
       }
       n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     } else {
-      n = ::writev(fd, iov, cnt);
+      n = ::writev(fd, iov, g.iovcnt);
     }
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_write();
       int err = errno;
-      if (with_fds && send_fd_frame_failed(err)) continue;
+      if (g.with_fds && send_fd_frame_failed(err)) continue;
       if (err == EPIPE && !is_socket_) consume_pending_sigpipe();
-      if (err == EPIPE || err == ECONNRESET) return close("peer closed the connection (" + std::string(errno_text(err)) + ")");
+      if (err == EPIPE || err == ECONNRESET)
+        return close("peer closed the connection (" + std::string(errno_text(err)) + ")");
       return close(failure("write", err));
     }
     ++stats_.writes;
     stats_.bytes_out += static_cast<std::uint64_t>(n);
-    if (with_fds) {
+    if (g.with_fds) {
       // The kernel holds its own references now; ours may close.
-      first.fds_sent = true;
-      stats_.fds_out += first.wire_fds.size();
-      first.fds_hold = {};
-      first.body_hold.reset();
-      if (first.original) {
-        first.original->fds = {};
-        first.original->sealed_body.reset();
+      TxFrame& f = *g.with_fds;
+      f.fds_sent = true;
+      stats_.fds_out += f.wire_fds.size();
+      f.fds_hold = {};
+      f.body_hold.reset();
+      if (f.original) {
+        f.original->fds = {};
+        f.original->sealed_body.reset();
       }
     }
-    advance(static_cast<std::size_t>(n));
-    if (static_cast<std::size_t>(n) < want) return arm_write();
+    std::size_t released = tx_.advance(static_cast<std::size_t>(n));
+    if (released) port_->gauge.release(released);
+    stats_.messages_out = tx_.frames_written();
+    if (static_cast<std::size_t>(n) < g.bytes) return arm_write();
   }
+  if (busy_ && state_ == StreamState::kOpen) {
+    busy_ = false;
+    port_->gate.clear_busy();
+  }
+  after_write();
+}
+
+// The queue is empty: finish a close or a goodbye that waited for it.
+void Stream::after_write() {
   if (close_after_flush_) return close(close_reason_);
   if (state_ == StreamState::kDraining) {
     half_close();
@@ -421,21 +574,23 @@ void Stream::flush() {
   }
 }
 
-void Stream::advance(std::size_t n) {
-  std::size_t released = 0;  // one gauge update per write, not per frame
-  while (n > 0) {
-    OutFrame& f = txq_.front();
-    std::size_t left = f.size() - f.sent;
-    if (n < left) {
-      f.sent += n;
-      break;
+// On the broker thread, from an application thread's direct write: the rest
+// of its frame (to go first), a failure, or only a kick (the broker queued or
+// wanted to close meanwhile).
+void Stream::take_over(TxFrame* rest, const std::string& error) {
+  if (rest) {
+    if (state_ == StreamState::kClosed) {
+      log().debug("stream={} closed before the rest of a direct write could be sent", name());
+      port_->gauge.release(rest->charged);
+    } else {
+      tx_.push_front_frame(std::move(*rest));
+      busy_ = true;
     }
-    n -= left;
-    released += f.charged;
-    if (f.has_header) ++stats_.messages_out;
-    txq_.pop_front();
+    port_->gate.clear_user();
   }
-  if (released) gauge_->release(released);
+  if (state_ == StreamState::kClosed) return close_fds();
+  if (!error.empty()) return close(error);
+  flush();
 }
 
 void Stream::drain() {
@@ -445,11 +600,13 @@ void Stream::drain() {
   // it), so what was queued behind it is still delivered.
   if (state_ == StreamState::kHandshaking) return;
   state_ = StreamState::kDraining;
+  port_->gate.close();
   flush();
 }
 
 void Stream::half_close() {
   if (write_shut_ || state_ == StreamState::kClosed) return;
+  if (port_->gate.load() & TxGate::kUser) return;  // after the writer's kick
   write_shut_ = true;
   if (is_socket_ && !wr_) {
     if (::shutdown(rd_.native_handle(), SHUT_WR) < 0 && errno != ENOTCONN)
@@ -463,27 +620,31 @@ void Stream::half_close() {
 void Stream::close(const std::string& reason) {
   if (state_ == StreamState::kClosed) return;
   state_ = StreamState::kClosed;
-  std::error_code ignored;
   handshake_timer_.cancel();
-  rd_.close(ignored);
-  if (wr_) wr_->close(ignored);
-  std::vector<Message> unsent;
-  for (OutFrame& f : txq_) {
-    if (f.charged) gauge_->release(f.charged);
-    // A partly written frame never reached the peer whole (its parser drops a
-    // partial frame at EOF): it is as undelivered as the rest.
-    if (!f.has_header) continue;
-    if (f.original) unsent.push_back(std::move(*f.original));
-    else unsent.push_back(Message{decode_header(f.header.data()), std::move(f.payload)});
-  }
-  txq_.clear();
+  stall_timer_.cancel();
+  std::error_code ignored;
+  rd_.cancel(ignored);
+  if (wr_) wr_->cancel(ignored);
+  // An application thread writing right now keeps the fd until its kick.
+  if (!port_->gate.close()) close_fds();
+  const std::size_t queued = tx_.queued_bytes();
+  Unsent unsent = tx_.clear();
+  busy_ = false;
+  if (queued) port_->gauge.release(queued);
   for (HeldMessage& h : held_) {
-    if (h.charged) gauge_->release(h.charged);
-    unsent.push_back(std::move(h.msg));
+    if (h.charged) port_->gauge.release(h.charged);
+    if (h.msg.is_dead()) {
+      ++unsent.dead;
+    } else if (h.msg.header.reply_to != 0) {
+      unsent.wanting_reply.push_back(h.msg.header);
+    } else {
+      if (unsent.other_headers.size() < Unsent::kOtherKept) unsent.other_headers.push_back(h.msg.header);
+      ++unsent.other;
+    }
   }
   held_.clear();
   rx_fds_.clear();
-  gauge_->close();
+  port_->gauge.close();
   log().debug("stream={} closed: {}", name(), reason);
   listener_->on_stream_closed(*this, reason, std::move(unsent));
 }

@@ -3,12 +3,20 @@
 //   handshaking --(handshake complete)--> open --(drain / peer EOF)--> draining --> closed
 //        \____________________(error, timeout, force close)_______________________/
 //
-// Role: moves bytes between a file descriptor pair and Messages. It reads into
+// Role: moves bytes between a file descriptor pair and frames. It reads into
 // an RxBuffer of 128 KiB chunks; a Handshake object consumes the first bytes,
 // then hands the same buffer to a FrameParser (Mitogen's Stream/Protocol split:
-// the protocol changes, the connection stays). It writes queued frames with
-// one gathered write (writev/sendmsg of up to IOV_MAX iovecs) and, when the
-// queue was empty, writes at once.
+// the protocol changes, the connection stays). Each complete frame goes to the
+// listener where it lies (an InFrame): taken as a Message, copied onward, or
+// dropped. Output waits in a TxQueue (tx_queue.h) and leaves in gathered
+// writes (writev/sendmsg of many frames); an application thread may write an
+// idle stream itself through its StreamPort (port.h).
+//
+// Memory: the stream has an Account (account.h) charged with everything its
+// peer makes this process hold: its output queue's blocks, receive chunks its
+// messages pin, its large bodies and memfd bodies. While the account is over
+// its limit the stream stops reading (back-pressure): the peer's own sends
+// then wait in the kernel, not here. Reading resumes when charges go.
 //
 // Transports: a socketpair or UNIX stream socket (one fd, both directions), or
 // a pipe pair such as a child's stdin/stdout (two fds). EOF, ECONNRESET, EPIPE
@@ -23,13 +31,15 @@
 // process is at its fd limit) fails only its own frame: the listener gets
 // on_stream_refused() with the reason and the stream stays open, since the
 // bytes, and so the framing, arrived intact. A peer without the flag gets a
-// memfd body inline; a message with fds for it is refused the same way.
+// memfd body inline, streamed from the memfd a window at a time; a message
+// with fds for it is refused the same way.
 //
 // Draining ("say goodbye"): flush the queue, half-close the write side (EOF to
 // the peer), keep reading until the peer's EOF, then close. A peer that sends
 // EOF first is answered the same way, so both sides deliver everything queued.
 //
-// Thread safety: broker thread only, except gauge(), which any thread may use.
+// Thread safety: broker thread only, except port(), whose members are safe
+// from any thread.
 // Ownership: created with make_shared and held by its owner (the Router);
 // pending IO handlers hold a reference too, so a closed stream dies when its
 // last handler has run. The listener is borrowed and must outlive the stream's
@@ -51,15 +61,17 @@
 #include <asio/steady_timer.hpp>
 
 #include "broker/broker.h"
+#include "stream/account.h"
 #include "stream/handshake.h"
 #include "stream/output_gauge.h"
 #include "stream/parser.h"
-
-struct iovec;
+#include "stream/port.h"
+#include "stream/tx_queue.h"
 
 namespace spindle {
 
 class Stream;
+struct ReadResumer;
 
 enum class StreamState { kHandshaking, kOpen, kDraining, kClosed };
 const char* to_string(StreamState s);
@@ -68,8 +80,17 @@ class StreamListener {
  public:
   virtual ~StreamListener() = default;
   virtual void on_stream_open(Stream& s) = 0;
+  // A complete frame, where it lies: take it (f.take()), copy it onward, or
+  // leave it (dropped after the call). The default takes it and calls
+  // on_stream_message().
+  virtual void on_stream_frame(Stream& s, InFrame& f);
+  // Before the frames of one read batch (on_stream_batch_end() always follows,
+  // even if a handler throws).
+  virtual void on_stream_batch_begin(Stream&) {}
+  // Frames taken as Messages: by on_stream_frame()'s default, and frames that
+  // carried fds (bound to them first).
   virtual void on_stream_message(Stream& s, Message&& m) = 0;
-  // After the messages of one read batch, even if the stream has just closed:
+  // After the frames of one read batch, even if the stream has just closed:
   // the moment to flush output corked while handling them.
   virtual void on_stream_batch_end(Stream& s) = 0;
   // A frame that cannot be parsed; the stream closes right after this call
@@ -81,10 +102,9 @@ class StreamListener {
   // ETOOMANYREFS/EMFILE, too many fds). `m` is the message (without the fds),
   // so its sender can be told why; the stream stays open.
   virtual void on_stream_refused(Stream& s, Message&& m, const std::string& reason);
-  // Exactly once. `unsent` holds the messages still queued, so their senders
-  // can be told they were not delivered.
-  virtual void on_stream_closed(Stream& s, const std::string& reason,
-                                std::vector<Message> unsent) = 0;
+  // Exactly once. `unsent` is what was still queued, so its senders can be
+  // told it was not delivered.
+  virtual void on_stream_closed(Stream& s, const std::string& reason, Unsent unsent) = 0;
 };
 
 struct StreamOptions {
@@ -92,6 +112,11 @@ struct StreamOptions {
   std::uint32_t max_message_size = kDefaultMaxMessageSize;
   std::size_t high_water_mark = kDefaultHighWaterMark;
   std::chrono::milliseconds handshake_timeout{10000};
+  std::size_t memory_limit = kDefaultPeerMemoryLimit;  // the peer's Account
+  std::shared_ptr<MemoryBudget> budget;                // shared by a router's peers
+  // A peer over its memory limit whose own output makes no progress for this
+  // long is disconnected (0: never).
+  std::chrono::milliseconds stall_timeout{10000};
 };
 
 struct StreamStats {
@@ -99,21 +124,30 @@ struct StreamStats {
   std::uint64_t messages_in = 0, messages_out = 0;
   std::uint64_t writes = 0;  // write syscalls that moved bytes
   std::uint64_t fds_in = 0, fds_out = 0;
+  std::uint64_t read_pauses = 0;  // times reading stopped for the memory limit
 };
 
 class Stream : public std::enable_shared_from_this<Stream> {
  public:
-  // Takes ownership of the fds (read_fd == write_fd for a socket). Sets them
-  // non-blocking. Throws std::system_error if an fd is unusable.
+  // Takes ownership of the fds (read_fd == write_fd for a socket); closes them
+  // if it throws. Sets them non-blocking. Throws std::system_error if an fd
+  // is unusable.
   static std::shared_ptr<Stream> create(Broker& broker, int read_fd, int write_fd,
                                         StreamOptions opts, std::unique_ptr<Handshake> handshake,
                                         StreamListener* listener);
   ~Stream();
 
   void start();
-  // Queues a message; bytes must already be charged to gauge() (or be
-  // charge-free control traffic: pass charged = 0). Does not write.
+  // Queues a message; `charged` bytes of it are already on the gauge (the
+  // rest, if any, is charged here, even over the mark: control traffic and
+  // dead replies are the peer's own doing). Does not write.
   void enqueue(Message&& m, std::size_t charged);
+  // Queues a frame that is still in another stream's receive buffer: small
+  // bodies are copied into the queue, large ones taken where they lie.
+  // `header` is the frame's header as it is to be sent.
+  void enqueue_frame(const Header& header, InFrame& f, std::size_t charged);
+  // Queues a frame whose body is bytes the caller keeps (copied).
+  void enqueue_bytes(const Header& header, std::span<const std::uint8_t> body, std::size_t charged);
   // Writes what is queued unless a write is already waiting for readiness.
   void flush();
   // Graceful: flush, say goodbye, wait for the peer's EOF. While handshaking,
@@ -130,33 +164,23 @@ class Stream : public std::enable_shared_from_this<Stream> {
            (state_ == StreamState::kDraining && !write_shut_ && !close_after_flush_);
   }
   const std::string& name() const { return opts_.name; }
-  void set_name(std::string name) { opts_.name = std::move(name); }
+  void set_name(std::string name);
   const PeerInfo& peer() const { return peer_; }
   const StreamStats& stats() const { return stats_; }
-  std::size_t queued_frames() const { return txq_.size(); }
-  OutputGauge& gauge() { return *gauge_; }
-  const std::shared_ptr<OutputGauge>& gauge_ptr() const { return gauge_; }
+  std::size_t queued_frames() const { return tx_.frames_queued() + (tx_.queued_bytes() ? 1 : 0); }
+  OutputGauge& gauge() { return port_->gauge; }
+  const std::shared_ptr<StreamPort>& port() const { return port_; }
+  const std::shared_ptr<Account>& account() const { return account_; }
   std::uint32_t max_message_size() const { return opts_.max_message_size; }
   // Whether fds can travel to the peer: a socket, and the peer announced
   // kFlagFdPassing (a stream without a handshake assumes it on a socket).
   bool peer_takes_fds() const;
+  bool reading_paused() const { return paused_; }
+  // The owner's own pointer (the Router's link), so it needs no lookup per frame.
+  void set_tag(void* t) { tag_ = t; }
+  void* tag() const { return tag_; }
 
  private:
-  struct OutFrame {
-    HeaderBytes header{};
-    bool has_header = true;  // false for raw handshake bytes
-    Payload payload;
-    std::size_t charged = 0;
-    std::size_t sent = 0;
-    // SF frames only: the fds to pass with the first byte, and the message as
-    // it was enqueued (for refusal or close: its sender is told).
-    std::vector<int> wire_fds;
-    FdSet fds_hold;  // keeps wire_fds open until the kernel has them
-    std::shared_ptr<const SealedMemfd> body_hold;
-    bool fds_sent = false;
-    std::unique_ptr<Message> original;
-    std::size_t size() const { return (has_header ? kHeaderSize : 0) + payload.size(); }
-  };
   // A batch of fds from one recvmsg; the next SF frame parsed takes it.
   struct FdBatch {
     std::vector<UniqueFd> fds;
@@ -171,24 +195,34 @@ class Stream : public std::enable_shared_from_this<Stream> {
   Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
          std::unique_ptr<Handshake> handshake, StreamListener* listener);
 
+  void wire_up();
   void arm_read();
   void arm_write();
+  void arm_stall_timer();
+  void note_queued();
   void do_read();
   ssize_t read_once(std::span<std::uint8_t> target);
   void on_read(std::size_t n, bool filled);
+  bool over_limit();
+ public:
+  void resume_reading();  // via ReadResumer, on the broker thread
+ private:
   bool bind_fds(Message& m);  // false: refused or protocol error (already handled)
   void protocol_error(const ParseResult& r);
   bool orphan_fds() const;
   void push_frame(Message&& m, std::size_t charged);
+  void push_fd_frame(Message&& m, std::size_t charged, std::shared_ptr<const SealedMemfd> body);
   void refuse(Message&& m, std::size_t charged, const std::string& reason);
   bool send_fd_frame_failed(int err);
   void process_input();
+  void deliver(InFrame& f);
   bool run_handshake();  // false if the stream closed
   void on_eof();
   void half_close();
-  void queue_raw(std::vector<std::uint8_t> bytes);
-  void advance(std::size_t n);
-  int gather(struct iovec* iov, std::size_t& want);
+  void queue_raw(const std::vector<std::uint8_t>& bytes);
+  void after_write();
+  void take_over(TxFrame* rest, const std::string& error);
+  void close_fds();
   asio::posix::stream_descriptor& writer() { return wr_ ? *wr_ : rd_; }
 
   Broker& broker_;
@@ -200,21 +234,28 @@ class Stream : public std::enable_shared_from_this<Stream> {
   StreamState state_ = StreamState::kHandshaking;
   std::unique_ptr<Handshake> handshake_;
   PeerInfo peer_;
+  std::shared_ptr<Account> account_;
+  std::shared_ptr<StreamPort> port_;
   RxBuffer rx_;
   std::optional<FrameParser> parser_;
-  std::deque<OutFrame> txq_;
+  TxQueue tx_;
   std::deque<HeldMessage> held_;  // messages queued before the handshake completed
   std::deque<FdBatch> rx_fds_;    // received fds not yet bound to a frame
   bool had_handshake_ = false;
-  std::vector<std::uint8_t> staging_;  // small frames gathered for one write
-  std::shared_ptr<OutputGauge> gauge_;
   asio::steady_timer handshake_timer_;
+  asio::steady_timer stall_timer_;
+  std::uint64_t stall_mark_ = 0;  // bytes_out when the stall timer was armed
+  std::shared_ptr<ReadResumer> resumer_;
+  bool busy_ = true;              // the gate says kBusy (mirrors it for the broker)
   bool read_armed_ = false, write_armed_ = false;
+  bool paused_ = false;           // reading stopped: the account is over its limit
   bool eof_seen_ = false, write_shut_ = false;
   bool drain_started_here_ = false;  // we said goodbye first (vs. answering the peer's)
   bool close_after_flush_ = false;  // protocol error: stop reading, flush, close
+  bool fds_closed_ = false;
   std::string close_reason_;
   StreamStats stats_;
+  void* tag_ = nullptr;
 };
 
 }  // namespace spindle

@@ -14,7 +14,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
-#include "shm/memfd.h"
+#include "stream/memfd.h"
 #include "stream/fd_frame.h"
 #include "stream/stream.h"
 
@@ -58,7 +58,7 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target) {
 // one, or one with nothing buffered, came with frames that were not SF: a
 // peer could otherwise pile fds up in this process.
 bool Stream::orphan_fds() const {
-  return rx_fds_.size() > 1 || (rx_fds_.size() == 1 && parser_->buffered() == 0);
+  return rx_fds_.size() > 1 || (rx_fds_.size() == 1 && !parser_->partial());
 }
 
 // Gives an SF frame its fds: the oldest batch received. The sender passed
@@ -106,7 +106,7 @@ bool Stream::bind_fds(Message& m) {
   }
   if (prefix->memfd_body()) {
     std::string err;
-    auto body = SealedMemfd::adopt(std::move(batch.fds.front()), err);
+    auto body = SealedMemfd::adopt(std::move(batch.fds.front()), err, account_);
     batch.fds.erase(batch.fds.begin());
     if (body && body->size() > opts_.max_message_size)
       err = fmt::format("message too large: {} bytes exceeds the maximum of {}", body->size(),
@@ -125,15 +125,18 @@ bool Stream::bind_fds(Message& m) {
 }
 
 void Stream::refuse(Message&& m, std::size_t charged, const std::string& reason) {
-  if (charged) gauge_->release(charged);
+  if (charged) port_->gauge.release(charged);
   m.fds = {};
   m.sealed_body.reset();
   listener_->on_stream_refused(*this, std::move(m), reason);
 }
 
-// Frames a message for this peer. fds and a memfd body go in an SF frame if
-// the peer takes fds; otherwise a memfd body goes inline (mapped, not
-// copied) and fds are refused: they cannot be turned into bytes.
+// Frames a message for this peer. A plain small message is copied into the
+// byte log; a large one is queued where it lies. fds and a memfd body go in
+// an SF frame if the peer takes fds; otherwise a memfd body goes inline,
+// streamed from the memfd a window at a time, and fds are refused: they
+// cannot be turned into bytes. The gauge ends up charged with the frame's
+// whole size (the producer charged `charged` of it).
 void Stream::push_frame(Message&& m, std::size_t charged) {
   const std::size_t nfds = m.fds.size();
   if (nfds > kMaxFdsPerMessage)
@@ -146,44 +149,69 @@ void Stream::push_frame(Message&& m, std::size_t charged) {
                   fmt::format("{}: {} fds for context {} on stream {}", fdreason::kFdsUnsupported,
                               nfds, m.header.dst_id, name()));
   // The body goes as an fd when it is (or sits in) a sealed memfd and a slot
-  // is left for it; else inline.
+  // is left for it.
   std::shared_ptr<const SealedMemfd> body = m.sealed_body ? m.sealed_body : m.data.memfd();
-  if (body && (!fd_peer || nfds == kMaxFdsPerMessage)) {
+  if (body && fd_peer && nfds < kMaxFdsPerMessage) return push_fd_frame(std::move(m), charged, std::move(body));
+  if (nfds > 0) {
+    // Every fd slot is taken by the message's own fds: a memfd body goes
+    // inline in the SF frame (mapped, not populated).
     if (m.sealed_body) {
       try {
-        m.data = m.sealed_body->map();
+        m.data = m.sealed_body->map(false);
       } catch (const std::exception& e) {
         return refuse(std::move(m), charged, fmt::format("{}: {}", fdreason::kBadMemfd, e.what()));
       }
       m.sealed_body.reset();
     }
-    body.reset();
+    return push_fd_frame(std::move(m), charged, nullptr);
   }
-  OutFrame f;
-  f.charged = charged;
-  if (nfds == 0 && !body) {
-    m.header.length = static_cast<std::uint32_t>(m.data.size());
+  TxFrame f;
+  std::size_t size;
+  if (m.sealed_body) {
+    // Never mapped whole: streamed a window at a time (tx_queue.h).
+    size = m.sealed_body->size();
+    f.streamed = std::move(m.sealed_body);
+  } else {
+    size = m.data.size();
+  }
+  m.header.length = static_cast<std::uint32_t>(size);
+  const std::size_t wire = kHeaderSize + size;
+  if (charged < wire) port_->gauge.charge(wire - charged);
+  if (!f.streamed && size <= kInlineBodyMax) {
+    tx_.append_inline(encode_header(m.header), m.data);
+  } else {
     f.header = encode_header(m.header);
-    f.payload = std::move(m.data);
-    txq_.push_back(std::move(f));
-    return;
+    if (!f.streamed) f.body = std::move(m.data);
+    f.charged = wire;
+    tx_.append_frame(std::move(f));
   }
+  note_queued();
+}
+
+void Stream::push_fd_frame(Message&& m, std::size_t charged,
+                           std::shared_ptr<const SealedMemfd> body) {
+  const std::size_t nfds = m.fds.size();
   FdPrefix prefix{m.header.enc, static_cast<std::uint16_t>(nfds + (body ? 1 : 0)),
                   body ? kFdFlagMemfdBody : std::uint16_t{0}};
   auto prefix_bytes = encode_fd_prefix(prefix);
-  f.payload = Payload::copy_of(std::span<const std::uint8_t>(prefix_bytes));
+  TxFrame f;
+  f.body = Payload::copy_of(std::span<const std::uint8_t>(prefix_bytes));
   if (!body)
-    for (const Slice& sl : m.data.slices()) f.payload.append(sl);
+    for (const Slice& sl : m.data.slices()) f.body.append(sl);
   Header h = m.header;
   h.enc = kEncFds;
-  h.length = static_cast<std::uint32_t>(f.payload.size());
+  h.length = static_cast<std::uint32_t>(f.body.size());
   f.header = encode_header(h);
   if (body) f.wire_fds.push_back(body->fd());
   for (int fd : m.fds.raw()) f.wire_fds.push_back(fd);
   f.fds_hold = m.fds;
   f.body_hold = body;
+  const std::size_t wire = kHeaderSize + f.body.size() + (body ? body->size() : 0);
+  if (charged < wire) port_->gauge.charge(wire - charged);
+  f.charged = wire;
   f.original = std::make_unique<Message>(std::move(m));
-  txq_.push_back(std::move(f));
+  tx_.append_frame(std::move(f));
+  note_queued();
 }
 
 // sendmsg refused the fds of the frame at the head of the queue (nothing of
@@ -193,8 +221,7 @@ void Stream::push_frame(Message&& m, std::size_t charged) {
 bool Stream::send_fd_frame_failed(int err) {
   if (err != ETOOMANYREFS && err != EMFILE && err != ENFILE && err != EINVAL && err != EBADF)
     return false;
-  OutFrame f = std::move(txq_.front());
-  txq_.pop_front();
+  TxFrame f = tx_.pop_head_frame();
   std::string why = fmt::format("{}: sendmsg: {} ({} fds, stream {})", fdreason::kSendFailed,
                                 errno_text(err), f.wire_fds.size(), name());
   log().warn("stream={} {}", name(), why);

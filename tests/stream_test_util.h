@@ -118,12 +118,14 @@ class Recorder : public StreamListener {
     invalid_error = r.error;
     cv.notify_all();
   }
-  void on_stream_closed(Stream& s, const std::string& why,
-                        std::vector<Message> left) override {
+  void on_stream_closed(Stream& s, const std::string& why, Unsent left) override {
     std::lock_guard lk(mu);
     ++closed;
     reason = why;
-    unsent = std::move(left);
+    unsent.clear();
+    for (const Header& h : left.wanting_reply) unsent.push_back(Message{h, {}});
+    for (const Header& h : left.other_headers) unsent.push_back(Message{h, {}});
+    for (auto& m : left.originals) unsent.push_back(std::move(*m));
     state_at_close = s.state();
     if (on_closed) on_closed();
     cv.notify_all();

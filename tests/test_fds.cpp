@@ -27,7 +27,7 @@
 #include "router/child.h"
 #include "router/reasons.h"
 #include "router/router.h"
-#include "shm/memfd.h"
+#include "stream/memfd.h"
 #include "tests/fds_test_util.h"
 #include "tests/router_test_util.h"
 

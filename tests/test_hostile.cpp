@@ -179,7 +179,7 @@ TEST_F(Hostile, AddRouteForAFutureIdCannotHijackTheNextClient) {
     flood += frame_bytes(frame(0, id_, id_, kHandleAddRoute, 0, kEncMitogen),
                          fmt::format("{}:hijack", id_ + i));
   p.write_all(flood);
-  EXPECT_TRUE(logged("no such context has been allocated"));
+  EXPECT_TRUE(logged(reason::kNotYourId));
   // The next clients get those ids, and messages to them reach them.
   std::vector<std::unique_ptr<Connection>> later;
   for (int i = 0; i < 3; ++i) {
@@ -194,24 +194,37 @@ TEST_F(Hostile, AddRouteForAFutureIdCannotHijackTheNextClient) {
   expect_served("ADD_ROUTE for future ids");
 }
 
-// A flood of ADD_ROUTE (for allocated ids: ALLOCATE_ID first) and DEL_ROUTE:
-// the router stays correct, the routes one link may hold are bounded, and
-// DEL_ROUTE for a context the peer does not route is ignored.
+// A flood of ALLOCATE_ID, ADD_ROUTE and DEL_ROUTE: the router stays correct,
+// the ids one link may hold unannounced and the routes it may hold are
+// bounded, and DEL_ROUTE for a context the peer does not route is ignored.
 TEST_F(Hostile, AddRouteAndDelRouteFloodsStayBoundedAndCorrect) {
   const long rss_before = vm_rss_kib(router_->pid());
   RawPeer p = raw_client();
-  constexpr std::uint32_t kIds = 70000;  // past the per-link limit of 65,536
+  // Too many ids at once: the first 1,024 are granted, the rest refused.
   std::string alloc;
-  for (std::uint32_t i = 0; i < kIds; ++i)
+  for (std::uint32_t i = 0; i < 2000; ++i)
     alloc += frame_bytes(frame(0, id_, id_, kHandleAllocateId, 0, kEncMitogen), "");
   p.write_all(alloc);
-  std::string adds, dels;
-  for (std::uint32_t i = 1; i <= kIds; ++i) {
+  EXPECT_TRUE(logged("are not announced yet"));
+  // Announced in rounds (each id once it is the link's), up to the per-link
+  // limit of 65,536 routes and past it.
+  constexpr std::uint32_t kIds = 70000;
+  std::string adds;
+  for (std::uint32_t i = 1; i <= 1024; ++i)
     adds += frame_bytes(frame(0, id_, id_, kHandleAddRoute, 0, kEncMitogen), std::to_string(id_ + i));
+  p.write_all(adds);
+  for (std::uint32_t next = id_ + 1025; next <= id_ + kIds; next += 1000) {
+    std::string batch;
+    for (std::uint32_t i = 0; i < 1000; ++i)
+      batch += frame_bytes(frame(0, id_, id_, kHandleAllocateId, 0, kEncMitogen), "");
+    for (std::uint32_t i = 0; i < 1000; ++i)
+      batch += frame_bytes(frame(0, id_, id_, kHandleAddRoute, 0, kEncMitogen), std::to_string(next + i));
+    p.write_all(batch);
+  }
+  std::string dels;
+  for (std::uint32_t i = 1; i <= kIds; ++i)
     dels += frame_bytes(frame(0, id_, id_, kHandleDelRoute, 0, kEncMitogen),
                         std::to_string(good_->id()));  // not the peer's to delete
-  }
-  p.write_all(adds);
   p.write_all(dels);
   EXPECT_TRUE(logged("the link already routes 65536 contexts (limit 65536)"));
   // The victim of the DEL_ROUTE flood is still reachable, and so is the router.

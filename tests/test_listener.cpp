@@ -132,7 +132,7 @@ TEST(Listener, MitogenClientHandshakeRoutingAndAuthority) {
   ASSERT_EQ(f.wait_for(20s), std::future_status::ready);
   Header got = f.get();
   EXPECT_EQ(got.src_id, id);
-  EXPECT_EQ(got.auth_id, 0u) << "a same-uid client's messages carry the router's auth_id";
+  EXPECT_EQ(got.auth_id, id) << "each client's messages carry its own auth_id";
   Message reply;
   ASSERT_TRUE(peer.read_frame(reply));
   EXPECT_EQ(reply.header.enc, kEncMitogen);

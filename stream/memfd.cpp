@@ -4,7 +4,7 @@
 // under the receiver (the check-then-use race Mojo's docs warn about), and
 // without SHRINK a truncate would turn the receiver's reads into SIGBUS: such
 // an fd is refused, never mapped.
-#include "shm/memfd.h"
+#include "stream/memfd.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -84,7 +84,8 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::copy_of(const Payload& bytes) {
   return std::make_shared<SealedMemfd>(std::move(fd), bytes.size());
 }
 
-std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& error) {
+std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& error,
+                                                      std::shared_ptr<Account> account) {
   int seals = ::fcntl(fd.get(), F_GET_SEALS);
   if (seals < 0) {
     error = fmt::format("not a memfd (F_GET_SEALS: {})", errno_text(errno));
@@ -100,7 +101,12 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& 
     error = fmt::format("fstat(memfd): {}", errno_text(errno));
     return nullptr;
   }
-  return std::make_shared<SealedMemfd>(std::move(fd), static_cast<std::size_t>(st.st_size));
+  auto m = std::make_shared<SealedMemfd>(std::move(fd), static_cast<std::size_t>(st.st_size));
+  if (account) {
+    account->charge(m->size_);
+    m->charge_ = Charge(std::move(account), m->size_);
+  }
+  return m;
 }
 
 Payload SealedMemfd::map(bool populate) const {

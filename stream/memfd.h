@@ -38,8 +38,11 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   // Throws std::system_error.
   static std::shared_ptr<const SealedMemfd> copy_of(const Payload& bytes);
   // Checks a received fd: a memfd whose size is sealed and whose contents are
-  // write-sealed. Returns nullptr and sets `error` if it is not.
-  static std::shared_ptr<const SealedMemfd> adopt(UniqueFd fd, std::string& error);
+  // write-sealed. Returns nullptr and sets `error` if it is not. Its size is
+  // charged to `account` (if any) for as long as it lives: a peer's memfd
+  // body costs it its mapped size, whether or not it is ever mapped.
+  static std::shared_ptr<const SealedMemfd> adopt(UniqueFd fd, std::string& error,
+                                                   std::shared_ptr<Account> account = nullptr);
 
   int fd() const { return fd_.get(); }
   std::size_t size() const { return size_; }
@@ -56,6 +59,7 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
  private:
   UniqueFd fd_;
   std::size_t size_;
+  Charge charge_;
 };
 
 class PayloadBuffer {

@@ -1,0 +1,261 @@
+// A slot's word holds its generation and state: (generation << 3) | state.
+// Every transition is a compare-and-swap on the whole word, so a completer
+// holding an old generation can never touch a slot that has since been
+// reused, and of two completers racing for one call exactly one wins.
+//
+//   FREE --open--> PENDING --claim--> CLAIMED --> DONE (blocking: the waiter
+//                     \                       \--> FREE (async: completion runs)
+//                      \--the waiter's deadline--> CANCELLED --> FREE
+#include "router/call_table.h"
+
+#include <boost/intrusive/set.hpp>
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/futex.h"
+#include "broker/log.h"
+
+namespace spindle {
+namespace {
+
+constexpr std::uint32_t kFree = 0, kPending = 1, kClaimed = 2, kDone = 3, kCancelled = 4;
+constexpr std::uint32_t kGenBits = 11;
+constexpr std::uint32_t kIndexBits = 20;
+
+std::uint32_t state_of(std::uint32_t w) { return w & 7; }
+std::uint32_t gen_of(std::uint32_t w) { return w >> 3; }
+std::uint32_t index_of(std::uint32_t handle) { return handle & ((1u << kIndexBits) - 1); }
+std::uint32_t handle_gen(std::uint32_t handle) { return (handle >> kIndexBits) & ((1u << kGenBits) - 1); }
+std::uint32_t make_handle(std::uint32_t index, std::uint32_t gen) {
+  return kCallHandleBit | ((gen & ((1u << kGenBits) - 1)) << kIndexBits) | index;
+}
+bool matches(std::uint32_t w, std::uint32_t handle) {
+  return (gen_of(w) & ((1u << kGenBits) - 1)) == handle_gen(handle);
+}
+
+}  // namespace
+
+struct CallTable::Slot : boost::intrusive::set_base_hook<> {
+  std::atomic<std::uint32_t> word{0};
+  std::uint32_t index = 0;
+  // Read by other threads before they claim: atomic, and checked again by
+  // the claim's compare-and-swap on the word.
+  std::atomic<std::uint32_t> callee{0};
+  std::atomic<bool> blocking{false};
+  bool armed = false;  // broker thread
+  Clock::time_point deadline;
+  Message reply;
+  std::exception_ptr error;
+  Completion done;
+};
+
+struct CallTable::Deadlines {
+  struct ByDeadline {
+    bool operator()(const Slot& a, const Slot& b) const { return a.deadline < b.deadline; }
+  };
+  boost::intrusive::multiset<Slot, boost::intrusive::compare<ByDeadline>> set;
+};
+
+CallTable::CallTable()
+    : chunks_(new std::atomic<Slot*>[kMaxSlots / kChunk]), deadlines_(std::make_unique<Deadlines>()) {
+  for (std::uint32_t i = 0; i < kMaxSlots / kChunk; ++i) chunks_[i].store(nullptr);
+}
+
+CallTable::~CallTable() {
+  deadlines_->set.clear();
+  for (std::uint32_t i = 0; i < kMaxSlots / kChunk; ++i) delete[] chunks_[i].load();
+  delete[] chunks_;
+}
+
+CallTable::Slot* CallTable::slot(std::uint32_t handle) const {
+  std::uint32_t i = index_of(handle);
+  if (i >= size_.load(std::memory_order_acquire)) return nullptr;
+  return &chunks_[i / kChunk].load(std::memory_order_acquire)[i % kChunk];
+}
+
+void CallTable::grow() {
+  std::lock_guard lk(grow_mu_);
+  std::uint32_t n = size_.load();
+  if (n >= kMaxSlots)
+    throw Error(fmt::format("too many calls pending at once (the limit is {})", kMaxSlots));
+  auto* chunk = new Slot[kChunk];
+  for (std::uint32_t i = 0; i < kChunk; ++i) chunk[i].index = n + i;
+  chunks_[n / kChunk].store(chunk, std::memory_order_release);
+  size_.store(n + kChunk, std::memory_order_release);
+  // Index 0 stays unused: handle 0x80000000 would look like "no reply_to" to
+  // nobody, but an index of 0 is easy to mistake in a dump.
+  for (std::uint32_t i = (n == 0 ? 1 : 0); i < kChunk; ++i) free_.push(n + i);
+}
+
+std::uint32_t CallTable::open(std::uint32_t callee, bool blocking, Completion done) {
+  std::uint32_t index;
+  while (!free_.pop(index)) grow();
+  Slot& s = *slot(index);
+  std::uint32_t gen = gen_of(s.word.load(std::memory_order_relaxed)) + 1;
+  s.callee.store(callee, std::memory_order_relaxed);
+  s.blocking.store(blocking, std::memory_order_relaxed);
+  s.armed = false;
+  s.done = std::move(done);
+  s.word.store(gen << 3 | kPending, std::memory_order_release);
+  pending_.fetch_add(1, std::memory_order_relaxed);
+  return make_handle(index, gen);
+}
+
+std::uint32_t CallTable::open_blocking(std::uint32_t callee) { return open(callee, true, nullptr); }
+
+std::uint32_t CallTable::open_async(std::uint32_t callee, Completion done) {
+  return open(callee, false, std::move(done));
+}
+
+void CallTable::free_slot(Slot& s, std::uint32_t index) {
+  if (s.armed) {
+    deadlines_->set.erase(deadlines_->set.iterator_to(s));
+    s.armed = false;
+  }
+  s.reply = Message{};
+  s.error = nullptr;
+  s.done.reset();
+  std::uint32_t w = s.word.load(std::memory_order_relaxed);
+  s.word.store((w & ~7u) | kFree, std::memory_order_release);
+  pending_.fetch_sub(1, std::memory_order_relaxed);
+  free_.push(index);
+}
+
+void CallTable::abandon(std::uint32_t handle) {
+  Slot* s = slot(handle);
+  if (!s || !claim(*s, handle)) return;
+  free_slot(*s, index_of(handle));
+}
+
+bool CallTable::claim(Slot& s, std::uint32_t handle) {
+  std::uint32_t w = s.word.load(std::memory_order_acquire);
+  if (state_of(w) != kPending || !matches(w, handle)) return false;
+  return s.word.compare_exchange_strong(w, (w & ~7u) | kClaimed, std::memory_order_acq_rel);
+}
+
+void CallTable::finish(Slot& s, std::uint32_t index, Message&& m, std::exception_ptr e) {
+  if (s.blocking.load(std::memory_order_relaxed)) {
+    s.reply = std::move(m);
+    s.error = e;
+    std::uint32_t w = s.word.load(std::memory_order_relaxed);
+    s.word.store((w & ~7u) | kDone, std::memory_order_release);
+    futex::wake(s.word, 1);
+    return;
+  }
+  Completion done = std::move(s.done);
+  free_slot(s, index);
+  try {
+    if (done) done(std::move(m), e);
+  } catch (const std::exception& ex) {
+    log().error("a call's completion threw: {}", ex.what());
+  } catch (...) {
+    log().error("a call's completion threw a non-standard exception");
+  }
+}
+
+CallTable::Verdict CallTable::complete(std::uint32_t handle, Message&& m) {
+  Slot* s = slot(handle);
+  if (!s) return Verdict::kStale;
+  std::uint32_t w = s->word.load(std::memory_order_acquire);
+  if (state_of(w) != kPending || !matches(w, handle)) return Verdict::kStale;
+  if (m.header.src_id != s->callee.load(std::memory_order_relaxed)) return Verdict::kWrongSender;
+  if (!claim(*s, handle)) return Verdict::kStale;
+  std::exception_ptr e;
+  if (m.is_dead()) {
+    e = std::make_exception_ptr(ChannelError(m.text()));
+  } else if (m.is_call_error()) {
+    CallErrorText t = parse_call_error(m);
+    e = std::make_exception_ptr(CallError(t.type, t.what));
+  }
+  if (e) m = Message{};
+  finish(*s, index_of(handle), std::move(m), e);
+  return Verdict::kCompleted;
+}
+
+bool CallTable::fail(std::uint32_t handle, std::exception_ptr error) {
+  Slot* s = slot(handle);
+  if (!s || !claim(*s, handle)) return false;
+  finish(*s, index_of(handle), Message{}, error);
+  return true;
+}
+
+bool CallTable::is_blocking(std::uint32_t handle) const {
+  Slot* s = slot(handle);
+  return s && s->blocking.load(std::memory_order_relaxed);
+}
+
+std::optional<std::uint32_t> CallTable::callee_of(std::uint32_t handle) const {
+  Slot* s = slot(handle);
+  if (!s) return std::nullopt;
+  std::uint32_t w = s->word.load(std::memory_order_acquire);
+  if (state_of(w) != kPending || !matches(w, handle)) return std::nullopt;
+  return s->callee.load(std::memory_order_relaxed);
+}
+
+Message CallTable::wait(std::uint32_t handle, Clock::time_point deadline,
+                        const std::function<std::exception_ptr()>& on_timeout) {
+  Slot& s = *slot(handle);
+  while (true) {
+    std::uint32_t w = s.word.load(std::memory_order_acquire);
+    if (state_of(w) == kDone) {
+      Message reply = std::move(s.reply);
+      std::exception_ptr e = s.error;
+      free_slot(s, index_of(handle));
+      if (e) std::rethrow_exception(e);
+      return reply;
+    }
+    // CLAIMED: a completer is storing the outcome; wait for it, whatever
+    // the deadline says.
+    auto until = state_of(w) == kClaimed ? Clock::time_point::max() : deadline;
+    if (futex::wait(s.word, w, until)) continue;
+    std::uint32_t expect = w;
+    if (state_of(w) == kPending &&
+        s.word.compare_exchange_strong(expect, (w & ~7u) | kCancelled, std::memory_order_acq_rel)) {
+      free_slot(s, index_of(handle));
+      std::rethrow_exception(on_timeout());
+    }
+  }
+}
+
+void CallTable::arm_deadline(std::uint32_t handle, Clock::time_point when) {
+  Slot* s = slot(handle);
+  if (!s || s->blocking.load(std::memory_order_relaxed) || s->armed) return;
+  std::uint32_t w = s->word.load(std::memory_order_acquire);
+  if (state_of(w) != kPending || !matches(w, handle)) return;
+  s->deadline = when;
+  s->armed = true;
+  deadlines_->set.insert(*s);
+}
+
+std::optional<CallTable::Clock::time_point> CallTable::next_deadline() const {
+  if (deadlines_->set.empty()) return std::nullopt;
+  return deadlines_->set.begin()->deadline;
+}
+
+void CallTable::expire(Clock::time_point now,
+                       const std::function<std::exception_ptr(std::uint32_t)>& on_timeout) {
+  while (!deadlines_->set.empty() && deadlines_->set.begin()->deadline <= now) {
+    Slot& s = *deadlines_->set.begin();
+    deadlines_->set.erase(deadlines_->set.begin());
+    s.armed = false;
+    std::uint32_t w = s.word.load(std::memory_order_acquire);
+    std::uint32_t handle = make_handle(s.index, gen_of(w));
+    if (claim(s, handle)) finish(s, s.index, Message{}, on_timeout(s.callee.load()));
+  }
+}
+
+void CallTable::fail_where(const std::function<bool(std::uint32_t)>& gone,
+                           const std::function<std::exception_ptr(std::uint32_t)>& why) {
+  if (pending() == 0) return;
+  const std::uint32_t n = size_.load(std::memory_order_acquire);
+  for (std::uint32_t i = 1; i < n; ++i) {
+    Slot& s = chunks_[i / kChunk].load(std::memory_order_acquire)[i % kChunk];
+    std::uint32_t w = s.word.load(std::memory_order_acquire);
+    const std::uint32_t callee = s.callee.load(std::memory_order_relaxed);
+    if (state_of(w) != kPending || !gone(callee)) continue;
+    std::uint32_t handle = make_handle(i, gen_of(w));
+    if (claim(s, handle)) finish(s, i, Message{}, why(callee));
+  }
+}
+
+}  // namespace spindle

@@ -1,0 +1,122 @@
+// CallTable: the pending calls of one router, in reusable slots.
+//
+// Role: a call takes a slot, sends its request with the slot's handle as
+// reply_to, and is completed exactly once: by its reply (or a dead reply or
+// CallError), its deadline, its callee's disconnect, or shutdown. Whoever
+// moves the slot's word from PENDING to CLAIMED completes it; everyone else
+// finds it taken. A slot is reused for the next call, so a call allocates
+// neither a promise nor a std::function: a blocking caller sleeps on the
+// slot's word (a futex) and reads its reply from the slot; an asynchronous
+// call's completion is a move-only callable stored in the slot.
+//
+// Handles: reply_to = kCallHandleBit | generation (11 bits) << 20 | index, so
+// a late reply to a slot that has since been reused is recognised and
+// dropped. Replies are accepted only from the callee (src_id): routers that
+// answer for a context that cannot be reached put that context in src_id
+// (docs/PROTOCOL.md §7.5), and the reverse-path check stops any other peer
+// from claiming it. A third party cannot complete someone else's call.
+//
+// Two kinds of slot:
+//  - blocking: the caller's thread waits, with its own deadline, and may give
+//    up (CANCELLED) while a completer races it; any thread may complete it (a
+//    reply to a local call is completed by the worker that sends it);
+//  - async: the broker arms its deadline and every completion runs on the
+//    broker thread.
+//
+// Thread safety: open_*/wait from any thread; complete() from any thread for
+// blocking slots, the broker thread for async ones; the scan and deadline
+// members on the broker thread.
+// Ownership: owned by the Router. Slots live in chunks that never move.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include <boost/lockfree/stack.hpp>
+
+#include "broker/unique_function.h"
+#include "stream/message.h"
+
+namespace spindle {
+
+inline constexpr std::uint32_t kCallHandleBit = 0x80000000u;
+inline bool is_call_handle(std::uint32_t h) { return (h & kCallHandleBit) != 0; }
+
+class CallTable {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Completion = UniqueFunction<void(Message&&, std::exception_ptr)>;
+  static constexpr std::uint32_t kMaxSlots = 1u << 20;
+
+  CallTable();
+  ~CallTable();
+  CallTable(const CallTable&) = delete;
+  CallTable& operator=(const CallTable&) = delete;
+
+  // Takes a slot for a call to `callee`; returns its reply handle. Throws
+  // Error when kMaxSlots calls are pending.
+  std::uint32_t open_blocking(std::uint32_t callee);
+  std::uint32_t open_async(std::uint32_t callee, Completion done);
+  // The sender failed before the request left: frees the slot, completing
+  // nothing.
+  void abandon(std::uint32_t handle);
+
+  // Blocking slots: waits for the outcome until `deadline`. Returns the
+  // reply, or throws what completed it (ChannelError, CallError, or
+  // TimeoutError built by `on_timeout`). Frees the slot.
+  Message wait(std::uint32_t handle, Clock::time_point deadline,
+               const std::function<std::exception_ptr()>& on_timeout);
+
+  enum class Verdict { kCompleted, kStale, kWrongSender };
+  // A message for a call handle. `m` is consumed only when kCompleted.
+  Verdict complete(std::uint32_t handle, Message&& m);
+  // Completes with an error (deadline, disconnect, shutdown); false if the
+  // call was already completed or is unknown.
+  bool fail(std::uint32_t handle, std::exception_ptr error);
+  // Whether `handle` is a blocking slot (any thread may complete it).
+  bool is_blocking(std::uint32_t handle) const;
+  std::optional<std::uint32_t> callee_of(std::uint32_t handle) const;
+
+  // --- broker thread ---
+  // Async slots: the deadline, armed when the request reaches the broker.
+  void arm_deadline(std::uint32_t handle, Clock::time_point when);
+  // The earliest armed deadline, if any.
+  std::optional<Clock::time_point> next_deadline() const;
+  // Fails every async call whose deadline has passed with on_timeout(callee).
+  void expire(Clock::time_point now,
+              const std::function<std::exception_ptr(std::uint32_t callee)>& on_timeout);
+  // Fails every pending call whose callee `gone(callee)` says is gone: one
+  // pass over the open slots, whatever the number of gone contexts.
+  void fail_where(const std::function<bool(std::uint32_t callee)>& gone,
+                  const std::function<std::exception_ptr(std::uint32_t callee)>& why);
+  std::size_t pending() const { return pending_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Slot;
+  Slot* slot(std::uint32_t handle) const;  // null if the index is out of range
+  std::uint32_t open(std::uint32_t callee, bool blocking, Completion done);
+  bool claim(Slot& s, std::uint32_t handle);
+  void finish(Slot& s, std::uint32_t index, Message&& m, std::exception_ptr e);
+  void free_slot(Slot& s, std::uint32_t index);
+  void grow();
+
+  static constexpr std::uint32_t kChunk = 1024;
+  mutable std::mutex grow_mu_;  // guards growth only (the slow path)
+  std::atomic<Slot*>* chunks_;  // kMaxSlots / kChunk entries
+  std::atomic<std::uint32_t> size_{0};
+  boost::lockfree::stack<std::uint32_t> free_{256};
+  std::atomic<std::size_t> pending_{0};
+  // broker thread: armed async deadlines, earliest first (intrusive in the
+  // slots: arming one allocates nothing)
+  struct Deadlines;
+  std::unique_ptr<Deadlines> deadlines_;
+};
+
+}  // namespace spindle

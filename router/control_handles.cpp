@@ -1,0 +1,151 @@
+// The control handles a router answers itself: ADD_ROUTE and DEL_ROUTE (what
+// a child says about the contexts behind it), SHUTDOWN (from the parent
+// only), FORWARD_LOG (log lines of children), and ALLOCATE_ID (the root).
+//
+// Authority (docs/PROTOCOL.md §2.10): an id belongs to the link it was
+// allocated on. The root remembers which context asked for each id it hands
+// out, and accepts ADD_ROUTE for that id only from the link that reaches that
+// context, once: an id announced, or an id whose context has gone, can never
+// be claimed by anyone again. A non-root router cannot know who asked the
+// root, so it refuses only conflicts; the root, which every route reaches in
+// the end, enforces ownership.
+//
+// Everything a peer writes is logged escaped (one record stays one line) and
+// at a bounded rate per peer.
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/control.h"
+#include "router/reasons.h"
+#include "router/router.h"
+
+namespace spindle {
+namespace {
+// How many contexts one child link may announce with ADD_ROUTE, and how many
+// ids it may hold allocated but unannounced: bounds on what a misbehaving
+// peer can make the root hold (docs/PROTOCOL.md, 6.2).
+constexpr std::size_t kMaxRoutesPerLink = 65536;
+constexpr std::size_t kMaxPendingAllocations = 1024;
+}  // namespace
+
+void Router::allocate_for(Message&& m) {
+  if (parent_id()) return send_dead(m.header, "ALLOCATE_ID must be sent to the root context");
+  Link* via = m.header.src_id == id() ? nullptr : route_for(m.header.src_id);
+  if (via && via->pending_allocs >= kMaxPendingAllocations)
+    return send_dead(m.header, fmt::format("{}: {} ids allocated for stream {} are not announced yet",
+                                           reason::kRefusedByPolicy, via->pending_allocs,
+                                           via->stream->name()));
+  std::uint32_t next = next_id_.load();
+  if (next == std::numeric_limits<std::uint32_t>::max())
+    return send_dead(m.header, std::string(reason::kIdsExhausted));
+  next_id_.store(next + 1);
+  if (via) {
+    allocated_by_.emplace(next, m.header.src_id);
+    ++via->pending_allocs;
+  }
+  Message r = Message::reply_to(m, Payload::copy_of(std::to_string(next)), kEncMitogen);
+  send_internal(std::move(r));
+}
+
+void Router::forget_allocations(Link& l) {
+  if (l.pending_allocs == 0) return;
+  for (auto it = allocated_by_.begin(); it != allocated_by_.end();) {
+    if (route_for(it->second) == &l || routes_.count(it->second) == 0) it = allocated_by_.erase(it);
+    else ++it;
+  }
+  l.pending_allocs = 0;
+}
+
+bool Router::accept_add_route(Link& in, std::uint32_t target) {
+  auto refuse = [&](std::string_view why) {
+    note_refusal(in, "ADD_ROUTE", fmt::format("refused ADD_ROUTE for context {}: {}", target, why));
+    return false;
+  };
+  if (in.role != StreamRole::kChild) return refuse("routes are announced upwards only");
+  Link* cur = route_for(target);
+  if (target == id() || (parent_ && target == parent_->remote_id)) return refuse("that id is taken");
+  if (routes_.count(target)) return cur == &in ? false : refuse("already routed elsewhere");
+  if (in.behind.size() >= kMaxRoutesPerLink)
+    return refuse(fmt::format("the link already routes {} contexts (limit {})", in.behind.size(),
+                              kMaxRoutesPerLink));
+  if (!parent_) {
+    // The root: only the link that asked for the id, and only once.
+    auto it = allocated_by_.find(target);
+    if (it == allocated_by_.end() || route_for(it->second) != &in)
+      return refuse(reason::kNotYourId);
+    allocated_by_.erase(it);
+    if (in.pending_allocs) --in.pending_allocs;
+  }
+  return true;
+}
+
+void Router::forward_log(Link& in, const Message& m) {
+  // Children always; a listener's clients only where the router allows it.
+  if (in.client && !opts_.accept_client_logs) {
+    note_refusal(in, "FORWARD_LOG", "log lines from router clients are not accepted (--accept-client-logs)");
+    return;
+  }
+  if (!in.log_budget.take(Clock::now(), opts_.peer_log_rate, opts_.peer_log_burst)) return;
+  std::string text = m.text();
+  auto a = text.find('\0');
+  auto b = a == std::string::npos ? a : text.find('\0', a + 1);
+  if (b == std::string::npos) {
+    log().warn("stream={} malformed FORWARD_LOG payload ({} bytes)", in.stream->name(), text.size());
+    return;
+  }
+  int levelno = std::atoi(text.substr(a + 1, b - a - 1).c_str());
+  std::string_view name(text.data(), a), line(text.data() + b + 1, text.size() - b - 1);
+  log().log(level_from_python(levelno), "[ctx={} stream={} name={:?}] {:?}", m.header.src_id,
+            in.stream->name(), name.substr(0, 128), line.substr(0, 4096));
+  if (std::uint64_t s = in.log_budget.take_suppressed())
+    log().warn("stream={} suppressed {} log line(s) over its rate of {}/s", in.stream->name(), s,
+               opts_.peer_log_rate);
+}
+
+bool Router::handle_control(Link& in, Message& m) {
+  const std::uint32_t h = m.header.handle;
+  if (h != kHandleAddRoute && h != kHandleDelRoute && h != kHandleShutdown && h != kHandleForwardLog)
+    return false;
+  if (h == kHandleForwardLog) {
+    forward_log(in, m);
+    return true;
+  }
+  if (h == kHandleShutdown) {
+    if (&in != parent_ || m.header.src_id != in.remote_id) {
+      send_dead(m.header, fmt::format("{}: SHUTDOWN is accepted only from the parent", reason::kRefusedByPolicy));
+      return true;
+    }
+    log().info("stream={} parent asked this context to shut down", in.stream->name());
+    broker_.shutdown();
+    return true;
+  }
+  // ADD_ROUTE "id[:name]" / DEL_ROUTE "id"
+  std::string text = m.text();
+  auto colon = text.find(':');
+  auto target = parse_context_id(std::string_view(text).substr(0, colon));
+  if (!target) {
+    note_refusal(in, h == kHandleAddRoute ? "ADD_ROUTE" : "DEL_ROUTE",
+                 fmt::format("malformed payload {:?}", std::string_view(text).substr(0, 64)));
+    return true;
+  }
+  if (h == kHandleAddRoute) {
+    if (accept_add_route(in, *target)) add_route(*target, in);
+    return true;
+  }
+  // DEL_ROUTE
+  auto it = routes_.find(*target);
+  if (in.role == StreamRole::kChild) {
+    if (it == routes_.end() || it->second != &in) return true;  // not theirs to delete
+    remove_route(*target);
+  } else if (it != routes_.end()) {
+    return true;  // the parent cannot delete a route that runs through a child
+  }
+  context_gone(*target,
+               fmt::format("{}: context {} (DEL_ROUTE from {})", reason::kPeerDisconnected, *target,
+                           in.stream->name()),
+               &in);
+  return true;
+}
+
+}  // namespace spindle

@@ -1,0 +1,315 @@
+// What the broker thread does with a frame that arrived on a stream. A frame
+// for another context is forwarded where it lies: its header checked and
+// rewritten, its bytes copied straight into the destination's TxQueue (a
+// large body is moved, not copied), and no Message is built. A frame for this
+// context becomes a Message whose payload shares the receive chunk, and is
+// dispatched by handle, or completes a pending call.
+//
+// Every failure is answered with a dead reply to the sender (when it asked
+// for a reply), written on the sender's own stream and so charged to it.
+// A dead reply carries the unreachable context as its src_id: the router
+// answers on that context's behalf, and a caller accepts replies to a call
+// only from its callee (docs/PROTOCOL.md §7.5).
+#include <cxxabi.h>
+
+#include <cstdlib>
+#include <typeinfo>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/control.h"
+#include "router/reasons.h"
+#include "router/router.h"
+#include "stream/memfd.h"
+
+namespace spindle {
+namespace {
+
+std::string demangle(const char* mangled) {
+  int status = 0;
+  char* s = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string out = (status == 0 && s) ? s : mangled;
+  std::free(s);
+  return out;
+}
+
+}  // namespace
+
+// The read batch of a stream: output is corked until its end.
+void Router::on_stream_batch_begin(Stream&) { ++batch_depth_; }
+
+void Router::on_stream_batch_end(Stream&) {
+  if (batch_depth_ > 0) --batch_depth_;
+  flush_dirty();
+}
+
+// The reverse-path check: auth_id and src_id must be reachable through `in`.
+// Returns false (after answering) if they are not.
+bool Router::reverse_path_ok(Link& in, const Header& h) {
+  for (std::uint32_t claimed : {h.auth_id, h.src_id}) {
+    if (claimed == in.remote_id && claimed != id()) continue;  // the usual case: no lookup
+    // Nothing arriving from outside may claim to come from this context.
+    Link* expect = claimed == id() ? nullptr : route_for(claimed);
+    if (expect == &in) continue;
+    std::string why = fmt::format("{}: context {} cannot send via stream {}", reason::kReversePath,
+                                  claimed, in.stream->name());
+    note_refusal(in, reason::kReversePath, why);
+    if (h.reply_to != 0 && !h.is_dead()) {
+      // Back on the stream it came in on, to the id it claimed: never routed
+      // to the real owner of that id.
+      Message d;
+      d.header = dead_header(h);
+      d.data = Payload::copy_of(why);
+      enqueue_on(in, std::move(d), 0);
+      mark_dirty(in);
+    }
+    return false;
+  }
+  return true;
+}
+
+void Router::note_egress(Link& in, std::uint32_t dst) {
+  if (dst == in.last_egress) return;
+  // Only a context that exists can later be gone: recording any other id
+  // would let a peer grow this set without bound by writing to random ids.
+  if (dst == id() || routes_.count(dst) || parent_) {
+    if (in.egress.insert(dst).second) talkers_[dst].insert(&in);
+    in.last_egress = dst;
+  }
+}
+
+void Router::on_stream_frame(Stream& s, InFrame& f) {
+  auto* in = static_cast<Link*>(s.tag());
+  if (!in || !reverse_path_ok(*in, f.header)) return;
+  note_egress(*in, f.header.dst_id);
+  if (f.header.dst_id == id()) {
+    Message m = f.take();
+    if (!handle_control(*in, m)) dispatch_local(std::move(m));
+    return;
+  }
+  forward(*in, f);
+}
+
+// Frames taken as Messages by the stream: those that carried fds.
+void Router::on_stream_message(Stream& s, Message&& m) {
+  auto* in = static_cast<Link*>(s.tag());
+  if (!in || !reverse_path_ok(*in, m.header)) return;
+  note_egress(*in, m.header.dst_id);
+  if (m.header.dst_id == id()) {
+    if (!handle_control(*in, m)) dispatch_local(std::move(m));
+    return;
+  }
+  Link* out = forward_target(*in, m.header, m.data.size() + (m.sealed_body ? m.sealed_body->size() : 0));
+  if (!out || !charge_fds(*in, m)) return;
+  const std::size_t charge = kHeaderSize + m.data.size();
+  if (!out->stream->gauge().try_acquire(charge)) return refuse_full(*out, m.header);
+  enqueue_on(*out, std::move(m), charge);
+}
+
+// Where a frame from `in` for another context goes, or null after answering
+// why it cannot.
+Router::Link* Router::forward_target(Link& in, const Header& h, std::size_t body) {
+  const std::uint32_t dst = h.dst_id;
+  Link* out = route_for(dst);
+  if (!out || out == &in) {
+    send_dead(h, fmt::format("{}: {}", reason::kNoRoute, dst));
+    return nullptr;
+  }
+  if (opts_.unidirectional && in.role == StreamRole::kChild && out->role == StreamRole::kChild) {
+    send_dead(h, fmt::format("{} (context {} to context {})", reason::kUnidirectional, h.src_id, dst));
+    return nullptr;
+  }
+  if (body > out->stream->max_message_size()) {
+    send_dead(h, fmt::format("{}: {} bytes exceeds the maximum of {} towards context {}",
+                             reason::kTooLarge, body, out->stream->max_message_size(), dst));
+    return nullptr;
+  }
+  return out;
+}
+
+void Router::refuse_full(Link& out, const Header& h) {
+  send_dead(h, fmt::format("{}: context {} has {} bytes queued (high-water mark {})",
+                           reason::kQueueFull, h.dst_id, out.stream->gauge().queued(),
+                           out.stream->gauge().high_water_mark()));
+}
+
+void Router::forward(Link& in, InFrame& f) {
+  Link* out = forward_target(in, f.header, f.body_size());
+  if (!out) return;
+  Stream& s = *out->stream;
+  if ((out->dialect == Dialect::kMitogen && !mitogen_can_decode(f.header.enc)) ||
+      !s.accepts_output()) {
+    Message m = f.take();
+    return (void)enqueue_on(*out, std::move(m), 0);  // says why, in the peer's terms
+  }
+  const std::size_t charge = kHeaderSize + f.body_size();
+  if (!s.gauge().try_acquire(charge)) return refuse_full(*out, f.header);
+  s.enqueue_frame(f.header, f, charge);
+  ++stats_.routed;
+  mark_dirty(*out);
+}
+
+bool Router::enqueue_on(Link& out, Message&& m, std::size_t charged) {
+  Stream& s = *out.stream;
+  if (out.dialect == Dialect::kMitogen && !mitogen_can_decode(m.header.enc)) {
+    if (charged) s.gauge().release(charged);
+    refuse_undecodable(out, std::move(m));
+    return false;
+  }
+  if (!s.accepts_output()) {
+    if (charged) s.gauge().release(charged);
+    send_dead(m.header, s.state() == StreamState::kClosed
+                            ? fmt::format("{}: context {}", reason::kPeerDisconnected, out.remote_id)
+                            : fmt::format("{}: context {} is saying goodbye", reason::kShuttingDown,
+                                          out.remote_id));
+    return false;
+  }
+  s.enqueue(std::move(m), charged);
+  ++stats_.routed;
+  mark_dirty(out);
+  return true;
+}
+
+void Router::mark_dirty(Link& l) {
+  if (batch_depth_ == 0) return l.stream->flush();
+  if (!l.dirty) {
+    l.dirty = true;
+    dirty_.push_back(l.stream);
+  }
+}
+
+// Writes each stream touched in the batch once. A flush may close its stream
+// (and unlink it): work on a moved-out list, and skip streams gone meanwhile.
+void Router::flush_dirty() {
+  if (batch_depth_ > 0 || dirty_.empty()) return;
+  std::vector<std::shared_ptr<Stream>> touched;
+  touched.swap(dirty_);
+  for (auto& s : touched) {
+    if (auto* l = static_cast<Link*>(s->tag())) l->dirty = false;
+    s->flush();
+  }
+  touched.clear();
+  if (dirty_.empty()) dirty_.swap(touched);  // keep the capacity: no allocation next time
+}
+
+// A dead reply's header: to the sender's reply_to, from the context the
+// message was for (on its behalf), with this router's authority.
+Header Router::dead_header(const Header& about) const {
+  Header d;
+  d.enc = kEncMitogen;
+  d.dst_id = about.src_id;
+  d.src_id = about.dst_id;
+  d.auth_id = id();
+  d.handle = about.reply_to;
+  d.reply_to = kHandleIsDead;
+  return d;
+}
+
+void Router::send_dead(const Header& about, std::string why) {
+  if (about.reply_to == 0 || about.is_dead()) {
+    ++stats_.dropped_logged;
+    note_undeliverable(about, why);
+    return;
+  }
+  ++stats_.dead_replies;
+  Message d;
+  d.header = dead_header(about);
+  d.data = Payload::copy_of(why);
+  route_internal(std::move(d));
+}
+
+// Broker thread: a control message or dead reply of this router's own.
+void Router::send_internal(Message&& m) {
+  m.header.src_id = m.header.auth_id = id();
+  route_internal(std::move(m));
+}
+
+void Router::route_internal(Message&& m) {
+  m.header.length = static_cast<std::uint32_t>(m.data.size());
+  if (m.header.dst_id == id()) {
+    // Our own dead reply to our own message: completes a call or is posted
+    // (no recursion through the handler that sent it).
+    if (is_call_handle(m.header.handle)) return complete_call(std::move(m));
+    if (!broker_.try_post([this, m = std::move(m)]() mutable { dispatch_local(std::move(m)); }))
+      log().debug("dropping a message to this context at shutdown");
+    return;
+  }
+  Link* out = route_for(m.header.dst_id);
+  if (!out) {
+    ++stats_.dropped_logged;
+    note_undeliverable(m.header, fmt::format("{}: {}", reason::kNoRoute, m.header.dst_id));
+    return;
+  }
+  enqueue_on(*out, std::move(m), 0);
+}
+
+void Router::complete_call(Message&& m) {
+  const Header h = m.header;
+  // A memfd body is mapped only for a reply some call is really waiting for.
+  if (m.sealed_body && calls_.callee_of(h.handle) == h.src_id && !map_sealed_body(m)) return;
+  switch (calls_.complete(h.handle, std::move(m))) {
+    case CallTable::Verdict::kCompleted:
+      ++stats_.delivered_locally;
+      return;
+    case CallTable::Verdict::kStale:
+      log().debug("reply to handle {:#x} from context {} dropped: no such call is pending",
+                  h.handle, h.src_id);
+      return;
+    case CallTable::Verdict::kWrongSender: {
+      auto callee = calls_.callee_of(h.handle);
+      std::string why = fmt::format("{}: handle {:#x} expects a reply from context {}, not {}",
+                                    reason::kNotFromCallee, h.handle, callee ? *callee : 0,
+                                    h.src_id);
+      log().warn("{}", why);
+      if (h.reply_to != 0 && !h.is_dead()) send_dead(h, why);
+      return;
+    }
+  }
+}
+
+void Router::dispatch_local(Message&& m) {
+  if (is_call_handle(m.header.handle)) return complete_call(std::move(m));
+  // Keep each handle's order: once a handle has messages held, later ones for
+  // it queue behind them even if its handler has been registered since.
+  if (hold_unknown_ && !m.is_dead() && held_handles_.count(m.header.handle) && hold(m)) return;
+  const HandlerPtr* found = handlers_.find(m.header.handle);
+  if (!found) {
+    if (hold_unknown_ && !m.is_dead() && hold(m)) return;
+    if (m.is_dead())
+      log().debug("dead message for unknown handle {} from context {}", m.header.handle,
+                  m.header.src_id);
+    else
+      send_dead(m.header, fmt::format("{}: {}", reason::kInvalidHandle, m.header.handle));
+    return;
+  }
+  HandlerPtr h = *found;  // the handler may remove itself while it runs
+  if (h->opts.policy && !h->opts.policy(m))
+    return send_dead(m.header, fmt::format("{}: handle {} refused context {}",
+                                           reason::kRefusedByPolicy, m.header.handle,
+                                           m.header.auth_id));
+  // A memfd body is mapped only now that it has somewhere to go.
+  if (m.sealed_body && !map_sealed_body(m)) return;
+  ++stats_.delivered_locally;
+  const Header head = m.header;
+  std::string type, what;
+  try {
+    h->fn(std::move(m));
+    return;
+  } catch (const std::exception& e) {
+    type = demangle(typeid(e).name());
+    what = e.what();
+  } catch (...) {
+    type = "unknown exception";
+    what = "the handler threw something that is not a std::exception";
+  }
+  log().info("handler for handle {} threw {}: {}", head.handle, type, what);
+  if (head.reply_to != 0 && !head.is_dead()) {
+    Message req;
+    req.header = head;
+    send_internal(Message::call_error(req, type, what));
+  }
+}
+
+}  // namespace spindle

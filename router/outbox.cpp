@@ -1,0 +1,104 @@
+// Space is reserved by moving the tail with one compare-and-swap; a record
+// that would straddle the end of the buffer is preceded by a padding record,
+// so every record is contiguous. A record's length word is written last
+// (release) and read first (acquire): a zero length means "not yet
+// published", which is why the consumer zeroes what it has consumed before
+// the head moves past it.
+#include "router/outbox.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "broker/futex.h"
+
+namespace spindle {
+namespace {
+
+std::size_t round_up8(std::size_t n) { return (n + 7) & ~std::size_t{7}; }
+
+std::size_t power_of_two_at_least(std::size_t n) {
+  std::size_t p = 4096;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+}  // namespace
+
+Outbox::Outbox(std::size_t capacity) : capacity_(power_of_two_at_least(capacity)) {
+  buf_ = static_cast<std::uint8_t*>(std::aligned_alloc(64, capacity_));
+  if (!buf_) throw std::bad_alloc();
+  std::memset(buf_, 0, capacity_);
+}
+
+Outbox::~Outbox() {
+  // Messages still in the ring (the broker never drained them) are destroyed.
+  drain([](OutboxRecord&, std::span<const std::uint8_t>, Message*) {});
+  std::free(buf_);
+}
+
+std::uint32_t Outbox::load_length(std::uint64_t pos) const {
+  auto* rh = reinterpret_cast<RecHead*>(buf_ + (pos & (capacity_ - 1)));
+  return std::atomic_ref<std::uint32_t>(rh->length).load(std::memory_order_acquire);
+}
+
+void Outbox::publish(std::uint64_t pos, std::uint32_t length) {
+  auto* rh = reinterpret_cast<RecHead*>(buf_ + (pos & (capacity_ - 1)));
+  std::atomic_ref<std::uint32_t>(rh->length).store(length, std::memory_order_release);
+}
+
+Outbox::Push Outbox::push(const OutboxRecord& rec, std::span<const std::uint8_t> bytes,
+                          Message* msg, std::chrono::steady_clock::time_point deadline) {
+  const std::size_t body = msg ? sizeof(Message) : bytes.size();
+  const std::size_t need = round_up8(sizeof(RecHead) + sizeof(OutboxRecord) + body);
+  if (need > capacity_ / 2) return Push::kTooLarge;
+  std::uint64_t t;
+  std::size_t pad;
+  while (true) {
+    t = tail_.load(std::memory_order_relaxed);
+    std::size_t off = static_cast<std::size_t>(t & (capacity_ - 1));
+    pad = off + need > capacity_ ? capacity_ - off : 0;
+    if (t + pad + need - head_.load(std::memory_order_acquire) <= capacity_) {
+      if (tail_.compare_exchange_weak(t, t + pad + need, std::memory_order_acq_rel)) break;
+      continue;
+    }
+    // Full: sleep until the consumer gives space back (it bumps space_seq_
+    // when it sees waiters; the re-check after announcing closes the race).
+    std::uint32_t seq = space_seq_.load();
+    space_waiters_.fetch_add(1);
+    bool woke = true;
+    if (tail_.load() + pad + need - head_.load() > capacity_) woke = futex::wait(space_seq_, seq, deadline);
+    space_waiters_.fetch_sub(1);
+    if (!woke) return Push::kTimeout;
+  }
+  if (pad) {
+    reinterpret_cast<RecHead*>(buf_ + (t & (capacity_ - 1)))->type = kPad;
+    publish(t, static_cast<std::uint32_t>(pad));
+  }
+  const std::uint64_t pos = t + pad;
+  auto* rh = reinterpret_cast<RecHead*>(buf_ + (pos & (capacity_ - 1)));
+  rh->type = kFrame;
+  auto* r = new (rh + 1) OutboxRecord(rec);
+  r->has_message = msg != nullptr;
+  r->inline_len = msg ? 0 : static_cast<std::uint32_t>(bytes.size());
+  auto* after = reinterpret_cast<std::uint8_t*>(r + 1);
+  if (msg) new (after) Message(std::move(*msg));
+  else if (!bytes.empty()) std::memcpy(after, bytes.data(), bytes.size());
+  publish(pos, static_cast<std::uint32_t>(need));
+  return Push::kOk;
+}
+
+void Outbox::release(std::uint64_t from, std::uint64_t to) {
+  std::size_t a = static_cast<std::size_t>(from & (capacity_ - 1));
+  std::size_t n = static_cast<std::size_t>(to - from);
+  std::size_t first = std::min(n, capacity_ - a);
+  std::memset(buf_ + a, 0, first);
+  if (n > first) std::memset(buf_, 0, n - first);
+  head_.store(to);  // seq_cst: ordered before the waiter check below
+  if (space_waiters_.load() > 0) {
+    space_seq_.fetch_add(1);
+    futex::wake(space_seq_, 1 << 30);
+  }
+}
+
+}  // namespace spindle

@@ -1,0 +1,278 @@
+// Sending from an application thread. In steady state a send takes no lock,
+// allocates nothing and wakes nobody per message:
+//  1. the destination's StreamPort comes from a small per-thread cache,
+//     checked against the router's route epoch (one atomic load); only a
+//     miss (a route changed) takes ports_mu_;
+//  2. the frame's bytes are charged to the port's gauge (one CAS), waiting
+//     there only when the destination is over its high-water mark;
+//  3. if the stream is idle the frame is written at once, on this thread
+//     (StreamPort::try_write); otherwise it is appended to the Outbox, and the
+//     broker is woken only by the producer that finds no wake-up pending.
+// The broker drains the outbox in one batch (drain_outbox) and writes each
+// stream it touched once.
+//
+// On the broker thread a send is routed at once (corked inside a batch).
+// A message to this context itself is dispatched without a stream: a reply
+// to a blocking call completes it on the sending thread, a handler that may
+// run anywhere runs there, and anything else goes through the broker.
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/reasons.h"
+#include "router/router.h"
+
+namespace spindle {
+namespace {
+
+struct CachedRoute {
+  std::uint64_t router = 0;
+  std::uint64_t epoch = 0;
+  std::uint32_t dst = 0;
+  std::shared_ptr<StreamPort> port;
+  std::uint64_t serial = 0;
+};
+constexpr std::size_t kRouteCacheSize = 16;
+thread_local CachedRoute t_routes[kRouteCacheSize];
+
+std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  auto now = std::chrono::steady_clock::now();
+  if (timeout >= std::chrono::hours(24 * 365)) return std::chrono::steady_clock::time_point::max();
+  return now + timeout;
+}
+
+}  // namespace
+
+Router::PortRef Router::port_for(std::uint32_t dst) {
+  const std::uint64_t epoch = route_epoch_.load(std::memory_order_acquire);
+  CachedRoute& c = t_routes[dst % kRouteCacheSize];
+  if (c.router == serial_ && c.epoch == epoch && c.dst == dst) return PortRef{c.port, c.serial};
+  PortRef p;
+  {
+    std::lock_guard lk(ports_mu_);
+    auto it = ports_.find(dst);
+    p = it != ports_.end() ? it->second : parent_port_;
+  }
+  c = CachedRoute{serial_, epoch, dst, p.port, p.serial};
+  return p;
+}
+
+void Router::send(Message msg, std::chrono::milliseconds timeout) {
+  Header h = msg.header;
+  submit(h, {}, &msg, timeout, true);
+}
+
+void Router::send(std::uint32_t dst, std::uint32_t handle, std::span<const std::uint8_t> bytes,
+                  std::uint16_t enc, std::chrono::milliseconds timeout) {
+  Header h;
+  h.enc = enc;
+  h.dst_id = dst;
+  h.handle = handle;
+  submit(h, bytes, nullptr, timeout, true);
+}
+
+void Router::route(Message msg) {
+  Header h = msg.header;
+  submit(h, {}, &msg, std::chrono::milliseconds(0), false);
+}
+
+void Router::post_reply(Message msg) {
+  Header h = msg.header;
+  try {
+    submit(h, {}, &msg, kDefaultSendTimeout, false, 0, /*reply=*/true);
+  } catch (const std::exception& e) {
+    log().info("reply to context {} handle {} not sent: {}", h.dst_id, h.handle, e.what());
+  }
+}
+
+void Router::reply(const Message& req, Payload data, std::uint16_t enc) {
+  if (req.header.reply_to == 0 || req.is_dead()) return;
+  send(Message::reply_to(req, std::move(data), enc));
+}
+
+// Any thread. `bytes` (the caller's, copied) or `msg` (moved from) is the body.
+void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
+                    std::chrono::milliseconds timeout, bool wait, std::uint32_t async_slot,
+                    bool reply) {
+  if (msg) prepare_fds_for_send(*msg);
+  const std::size_t size = msg ? msg->data.size() : bytes.size();
+  if (size > opts_.max_message_size)
+    throw Error(fmt::format("{}: {} bytes exceeds the maximum of {}", reason::kTooLarge, size,
+                            opts_.max_message_size));
+  // While this guard is held the broker cannot finish without draining the
+  // outbox: a frame accepted here is routed, or its sender told why not.
+  Broker::ProducerGuard producing(broker_);
+  if (!producing) throw ShutdownError(std::string(errtext::kBrokerShutDown));
+  h.src_id = h.auth_id = id();
+  h.length = static_cast<std::uint32_t>(size);
+  if (msg) msg->header = h;
+  const bool on_broker = broker_.on_broker_thread();
+  if (h.dst_id == id() && deliver_here(h, bytes, msg)) return;
+
+  const bool plain = !msg || (msg->fds.empty() && !msg->sealed_body && !msg->data.memfd());
+  PortRef port = h.dst_id == id() ? PortRef{} : port_for(h.dst_id);
+  const std::size_t charge = kHeaderSize + size;
+  if (port.port) {
+    OutputGauge& g = port.port->gauge;
+    if (reply) {
+      g.charge(charge);  // the receiver asked for it: never refused, never waited for
+    } else if (!g.try_acquire(charge)) {
+      OutputGauge::Admit a = g.closed() ? OutputGauge::Admit::kClosed
+                             : (!wait || on_broker)
+                                 ? OutputGauge::Admit::kTimeout
+                                 : g.acquire(charge, deadline_after(timeout));
+      if (a == OutputGauge::Admit::kTimeout)
+        throw QueueFullError(fmt::format("{}: context {} has {} bytes queued (high-water mark {})",
+                                         reason::kQueueFull, h.dst_id, g.queued(),
+                                         g.high_water_mark()));
+      if (a == OutputGauge::Admit::kClosed)
+        throw ChannelError(fmt::format("{}: context {}", reason::kPeerDisconnected, h.dst_id));
+    }
+    // The idle stream's fast path: written here, now, in one syscall.
+    if (!on_broker && plain && async_slot == 0 && outbox_.empty() &&
+        (port.port->gate.load() == TxGate::kDirectOk)) {
+      Payload view;
+      if (msg) view = msg->data;
+      else if (!bytes.empty()) view.append(Slice{nullptr, bytes.data(), bytes.size()});
+      std::string error;
+      switch (port.port->try_write(h, view, charge, error)) {
+        case StreamPort::Direct::kWritten: return;
+        case StreamPort::Direct::kFailed:
+          throw ChannelError(fmt::format("{}: context {} ({})", reason::kPeerDisconnected, h.dst_id, error));
+        case StreamPort::Direct::kNotIdle: break;
+      }
+    }
+  }
+  OutboxRecord rec;
+  rec.header = h;
+  rec.port_serial = port.port ? port.serial : 0;
+  rec.charged = port.port ? charge : 0;
+  rec.call_slot = async_slot;
+  if (async_slot) rec.deadline_ns = deadline_after(timeout).time_since_epoch().count();
+  if (on_broker) {
+    // Routed at once; corked if inside a batch.
+    BatchScope batch(*this);
+    Message m;
+    if (msg) m = std::move(*msg);
+    else m = Message{h, Payload::copy_of(bytes)};
+    route_local_origin(rec, {}, &m);
+    return;
+  }
+  // Small bodies travel inline in the record; the rest as a Message.
+  std::span<const std::uint8_t> inline_bytes = bytes;
+  Message* carried = msg;
+  Message copied;
+  if (msg && plain && size <= kInlineBodyMax && msg->data.slices().size() == 1) {
+    auto c = msg->data.contiguous();
+    inline_bytes = {c.data(), c.size()};
+    carried = nullptr;
+  } else if (!msg && size > kInlineBodyMax) {
+    copied = Message{h, Payload::copy_of(bytes)};
+    carried = &copied;
+  }
+  auto deadline = reply ? deadline_after(kDefaultSendTimeout) : deadline_after(wait ? timeout : std::chrono::milliseconds(0));
+  Outbox::Push r = outbox_.push(rec, carried ? std::span<const std::uint8_t>{} : inline_bytes,
+                                carried, deadline);
+  if (r != Outbox::Push::kOk) {
+    if (port.port) port.port->gauge.release(charge);
+    throw QueueFullError(fmt::format("{}: the send queue of this context ({} bytes) stayed full",
+                                     reason::kQueueFull, outbox_.capacity()));
+  }
+  broker_.wake();
+}
+
+// A message to this context, sent from any thread. Returns false if it must
+// go through the broker (handled there by route_local_origin).
+bool Router::deliver_here(Header& h, std::span<const std::uint8_t> bytes, Message* msg) {
+  auto take = [&]() -> Message {
+    if (msg) return std::move(*msg);
+    return Message{h, Payload::copy_of(bytes)};
+  };
+  if (is_call_handle(h.handle)) {
+    // A reply to one of our own calls: a blocking caller is woken from here;
+    // an async call completes on the broker thread (below, via the outbox).
+    if (!calls_.is_blocking(h.handle)) return false;
+    Message m = take();
+    m.header = h;
+    if (calls_.complete(h.handle, std::move(m)) == CallTable::Verdict::kStale)
+      log().debug("reply to handle {:#x} dropped: the call is no longer pending", h.handle);
+    return true;
+  }
+  if (broker_.on_broker_thread()) {
+    // Never recurse through the stack of the handler that sent this.
+    Message m = take();
+    m.header = h;
+    if (!broker_.try_post([this, m = std::move(m)]() mutable { dispatch_local(std::move(m)); }))
+      throw ShutdownError(std::string(errtext::kBrokerShutDown));
+    return true;
+  }
+  HandlerPtr handler = handlers_.find_any_thread(h.handle);
+  if (!handler) return false;
+  Message m = take();
+  m.header = h;
+  if (handler->opts.policy && !handler->opts.policy(m)) return false;  // the broker refuses it
+  handler->fn(std::move(m));
+  return true;
+}
+
+void Router::drain_outbox() {
+  BatchScope batch(*this);
+  outbox_.drain([this](OutboxRecord& rec, std::span<const std::uint8_t> bytes, Message* msg) {
+    try {
+      route_local_origin(rec, bytes, msg);
+    } catch (const std::exception& e) {
+      log().error("routing a message for context {} handle {} failed: {}", rec.header.dst_id,
+                  rec.header.handle, e.what());
+    }
+  });
+}
+
+// Broker thread: one frame from an application thread (or this one).
+void Router::route_local_origin(OutboxRecord& rec, std::span<const std::uint8_t> bytes,
+                                Message* msg) {
+  Header& h = rec.header;
+  if (rec.call_slot) {
+    calls_.arm_deadline(rec.call_slot, Clock::time_point(Clock::duration(rec.deadline_ns)));
+    arm_call_timer();
+  }
+  auto message = [&]() -> Message {
+    if (msg) return std::move(*msg);
+    return Message{h, Payload::copy_of(bytes)};
+  };
+  auto release = [&](Link* charged_on) {
+    if (!rec.charged) return;
+    if (charged_on) charged_on->stream->gauge().release(rec.charged);
+    rec.charged = 0;
+  };
+  Link* charged_on = nullptr;
+  if (rec.port_serial) {
+    auto it = links_by_port_.find(rec.port_serial);
+    if (it != links_by_port_.end()) charged_on = it->second;
+  }
+  if (h.dst_id == id()) {
+    release(charged_on);
+    if (is_call_handle(h.handle)) return complete_call(message());
+    return dispatch_local(message());
+  }
+  Link* out = route_for(h.dst_id);
+  if (!out) {
+    release(charged_on);
+    return send_dead(h, fmt::format("{}: {}", reason::kNoRoute, h.dst_id));
+  }
+  if (out != charged_on) {
+    // The route changed since the sender charged (or it found none).
+    release(charged_on);
+    if (!out->stream->gauge().try_acquire(kHeaderSize + h.length))
+      return send_dead(h, fmt::format("{}: context {}", reason::kQueueFull, h.dst_id));
+    rec.charged = kHeaderSize + h.length;
+  }
+  if (msg || out->dialect == Dialect::kMitogen || !out->stream->accepts_output()) {
+    enqueue_on(*out, message(), rec.charged);
+    return;
+  }
+  out->stream->enqueue_bytes(h, bytes, rec.charged);
+  ++stats_.routed;
+  mark_dirty(*out);
+}
+
+}  // namespace spindle

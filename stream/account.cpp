@@ -1,0 +1,70 @@
+// The per-peer counter and the budget's total move together: the budget is
+// what the global limit sees, the account what the peer's limit sees. Relief
+// callbacks fire on the release that crosses back under a limit, so a paused
+// reader is resumed once, not on every release.
+#include "stream/account.h"
+
+namespace spindle {
+
+void MemoryBudget::add(std::size_t n) {
+  if (held_.fetch_add(n, std::memory_order_relaxed) + n > limit_)
+    was_over_.store(true, std::memory_order_relaxed);
+}
+
+void MemoryBudget::sub(std::size_t n) {
+  std::size_t now = held_.fetch_sub(n, std::memory_order_relaxed) - n;
+  if (now <= limit_ && was_over_.load(std::memory_order_relaxed) &&
+      was_over_.exchange(false, std::memory_order_acq_rel) && relief_)
+    relief_();
+}
+
+Account::Account(std::size_t limit, std::shared_ptr<MemoryBudget> budget)
+    : limit_(limit), budget_(std::move(budget)) {
+  if (budget_) budget_->peers_.fetch_add(1, std::memory_order_relaxed);
+}
+
+Account::~Account() {
+  if (!budget_) return;
+  budget_->peers_.fetch_sub(1, std::memory_order_relaxed);
+  // Nothing is left charged here: every Charge holds its account alive.
+  std::size_t left = held_.load(std::memory_order_relaxed);
+  if (left) budget_->sub(left);
+}
+
+bool Account::over_with(std::size_t h) const {
+  if (h > limit_) return true;
+  return budget_ && budget_->over() && h > budget_->fair_share();
+}
+
+bool Account::over() const { return over_with(held()); }
+
+void Account::charge(std::size_t n) {
+  if (n == 0) return;
+  std::size_t now = held_.fetch_add(n, std::memory_order_relaxed) + n;
+  if (budget_) budget_->add(n);
+  if (over_with(now)) was_over_.store(true, std::memory_order_relaxed);
+}
+
+bool Account::try_charge(std::size_t n) {
+  std::size_t cur = held_.load(std::memory_order_relaxed);
+  do {
+    // An empty account always admits one charge: a single message larger
+    // than the limit still goes through, and the account never grows past
+    // its limit plus one message.
+    if (cur != 0 && over_with(cur + n)) return false;
+  } while (!held_.compare_exchange_weak(cur, cur + n, std::memory_order_relaxed));
+  if (budget_) budget_->add(n);
+  if (over_with(cur + n)) was_over_.store(true, std::memory_order_relaxed);
+  return true;
+}
+
+void Account::release(std::size_t n) {
+  if (n == 0) return;
+  std::size_t now = held_.fetch_sub(n, std::memory_order_relaxed) - n;
+  if (budget_) budget_->sub(n);
+  if (!over_with(now) && was_over_.load(std::memory_order_relaxed) &&
+      was_over_.exchange(false, std::memory_order_acq_rel) && relief_)
+    relief_();
+}
+
+}  // namespace spindle

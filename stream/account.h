@@ -1,0 +1,130 @@
+// Account: the memory one peer makes this process hold, against its limits.
+//
+// The accounting rule (docs/PROTOCOL.md §14): every byte the broker holds
+// because of a peer is charged to that peer's Account: its output queue, the
+// receive chunks its messages pin, the bodies of its large messages and its
+// memfd bodies (at their mapped size), and the work it queued for services.
+// Each Account has a per-peer limit, and every Account of a router shares one
+// MemoryBudget with a global limit. A stream whose account is over() stops
+// reading from its peer (back-pressure) until charges are released; what a
+// broker-thread producer cannot queue it refuses with a dead reply.
+//
+// A Charge is the RAII form: it holds the account and the bytes, and releases
+// them when destroyed, wherever the charged object travels (a message handed
+// to a worker, a chunk kept by a handler). Charging never blocks and never
+// allocates.
+//
+// Thread safety: every member is safe from any thread (atomics). The relief
+// callback runs on the thread whose release brought the account back under
+// its limit; it must only post work (the stream defers a read to the broker).
+// Ownership: shared (shared_ptr): charges keep their account alive.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <utility>
+
+namespace spindle {
+
+inline constexpr std::size_t kDefaultPeerMemoryLimit = 64u << 20;     // 64 MiB
+inline constexpr std::size_t kDefaultGlobalMemoryLimit = 1024u << 20;  // 1 GiB
+
+// What all the peers of one router may make it hold together.
+class MemoryBudget {
+ public:
+  explicit MemoryBudget(std::size_t limit = kDefaultGlobalMemoryLimit) : limit_(limit) {}
+  std::size_t held() const { return held_.load(std::memory_order_relaxed); }
+  std::size_t limit() const { return limit_; }
+  bool over() const { return held() > limit_; }
+  // Accounts sharing the budget: the fair share of a peer is limit / peers.
+  std::size_t peers() const { return peers_.load(std::memory_order_relaxed); }
+  std::size_t fair_share() const {
+    std::size_t n = peers();
+    return n ? limit_ / n : limit_;
+  }
+  // Called once each time a release brings the budget back under its limit:
+  // peers paused only for the global limit may be read again.
+  void on_relief(std::function<void()> fn) { relief_ = std::move(fn); }
+
+ private:
+  friend class Account;
+  void add(std::size_t n);
+  void sub(std::size_t n);
+
+  const std::size_t limit_;
+  std::atomic<std::size_t> held_{0};
+  std::atomic<std::size_t> peers_{0};
+  std::atomic<bool> was_over_{false};
+  std::function<void()> relief_;  // set before the budget is shared
+};
+
+class Account {
+ public:
+  // `budget` may be null (a stream on its own, as in tests).
+  Account(std::size_t limit, std::shared_ptr<MemoryBudget> budget);
+  ~Account();
+  Account(const Account&) = delete;
+  Account& operator=(const Account&) = delete;
+
+  // Always succeeds: for bytes already in hand (received, or queued by the
+  // broker on the peer's behalf). May put the account over its limit.
+  void charge(std::size_t n);
+  // Succeeds unless the charge would put the account over its limit (an
+  // empty account always admits one charge, so a single large message fits).
+  bool try_charge(std::size_t n);
+  void release(std::size_t n);
+
+  std::size_t held() const { return held_.load(std::memory_order_relaxed); }
+  std::size_t limit() const { return limit_; }
+  // Over the per-peer limit, or the global budget is over and this peer holds
+  // more than its fair share of it: a peer holding little keeps being served
+  // while a few others flood.
+  bool over() const;
+  const std::shared_ptr<MemoryBudget>& budget() const { return budget_; }
+  // Called once each time a release brings an over() account back under.
+  void on_relief(std::function<void()> fn) { relief_ = std::move(fn); }
+
+ private:
+  bool over_with(std::size_t held) const;
+
+  const std::size_t limit_;
+  std::shared_ptr<MemoryBudget> budget_;
+  std::atomic<std::size_t> held_{0};
+  std::atomic<bool> was_over_{false};
+  std::function<void()> relief_;  // set before the account is shared
+};
+
+// Bytes charged to an account until this object goes.
+class Charge {
+ public:
+  Charge() = default;
+  Charge(std::shared_ptr<Account> account, std::size_t n) : account_(std::move(account)), n_(n) {}
+  ~Charge() { reset(); }
+  Charge(Charge&& o) noexcept : account_(std::move(o.account_)), n_(std::exchange(o.n_, 0)) {}
+  Charge& operator=(Charge&& o) noexcept {
+    if (this != &o) {
+      reset();
+      account_ = std::move(o.account_);
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  Charge(const Charge&) = delete;
+  Charge& operator=(const Charge&) = delete;
+
+  std::size_t bytes() const { return n_; }
+  explicit operator bool() const { return account_ != nullptr; }
+  void reset() {
+    if (account_ && n_) account_->release(n_);
+    account_.reset();
+    n_ = 0;
+  }
+
+ private:
+  std::shared_ptr<Account> account_;
+  std::size_t n_ = 0;
+};
+
+}  // namespace spindle

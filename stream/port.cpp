@@ -1,0 +1,79 @@
+// The direct write is the whole frame in one sendmsg: the header encoded on
+// the stack and the payload's slices as they lie. Whatever the kernel did
+// not take is handed to the broker with the gate still held, so the broker
+// can neither write another frame into the middle of this one nor close the
+// fd under it; its take-over clears the gate.
+#include "stream/port.h"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <climits>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "stream/tx_queue.h"
+
+namespace spindle {
+namespace {
+constexpr int kMaxDirectIov = 64;
+std::atomic<std::uint64_t> g_port_serial{1};
+}  // namespace
+
+StreamPort::StreamPort(std::size_t high_water_mark)
+    : serial(g_port_serial.fetch_add(1)), gauge(high_water_mark) {}
+
+StreamPort::Direct StreamPort::try_write(const Header& h, const Payload& body, std::size_t charged,
+                                         std::string& error) {
+  if (body.slices().size() + 1 > kMaxDirectIov) return Direct::kNotIdle;
+  if (!gate.try_acquire_direct()) return Direct::kNotIdle;
+  Header wire = h;
+  wire.length = static_cast<std::uint32_t>(body.size());
+  HeaderBytes hb = encode_header(wire);
+  iovec iov[kMaxDirectIov];
+  int cnt = 0;
+  iov[cnt++] = {hb.data(), kHeaderSize};
+  for (const Slice& s : body.slices()) iov[cnt++] = {const_cast<std::uint8_t*>(s.data), s.size};
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = static_cast<std::size_t>(cnt);
+  ssize_t n;
+  do {
+    n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (n < 0 && errno == EINTR);
+  const std::size_t total = kHeaderSize + body.size();
+  if (n >= 0 && static_cast<std::size_t>(n) == total) {
+    gauge.release(charged);
+    direct_writes.fetch_add(1, std::memory_order_relaxed);
+    if (gate.release_direct()) hand_over(nullptr, {});
+    return Direct::kWritten;
+  }
+  if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+    int err = errno;
+    error = err == EPIPE || err == ECONNRESET
+                ? fmt::format("peer closed the connection ({})", errno_text(err))
+                : fmt::format("write: {}", errno_text(err));
+    gauge.release(charged);
+    gate.release_direct();
+    hand_over(nullptr, error);  // the broker closes the stream
+    return Direct::kFailed;
+  }
+  // The socket took part of it (or none): the broker writes the rest, first.
+  TxFrame rest;
+  rest.header = hb;
+  // A slice without an owner is the caller's memory, valid only during this
+  // call: the rest that outlives it is copied (this path is rare: the
+  // socket was full).
+  bool borrowed = false;
+  for (const Slice& s : body.slices()) borrowed = borrowed || !s.owner;
+  rest.body = borrowed ? body.owned_copy() : body;
+  rest.charged = charged;
+  rest.skip = n > 0 ? static_cast<std::size_t>(n) : 0;
+  direct_writes.fetch_add(1, std::memory_order_relaxed);
+  hand_over(&rest, {});  // the gate stays ours until the broker has it
+  return Direct::kWritten;
+}
+
+}  // namespace spindle

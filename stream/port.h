@@ -1,0 +1,114 @@
+// StreamPort: the part of a stream that threads other than the broker's use.
+//
+// Role: a sender on an application thread charges the stream's OutputGauge
+// (and may wait on it), and, when the stream is idle, writes its frame to the
+// socket itself: one writev for header and payload, no queue, no wake-up of
+// the broker. The TxGate says who may write: the broker when it has frames
+// queued, one application thread at a time when nothing is queued or under
+// way. While an application thread writes, the broker may queue but not
+// write, and may not close the fd: it marks what it wants (kPending,
+// kClosed) and the writer kicks it when done.
+//
+// When is a stream idle enough for a direct write? Nothing queued, no write
+// under way, and the peer has spoken since the last direct write
+// (kDirectOk). The last rule gives a request/response rhythm the lowest
+// latency (every request is written at once), while a thread that streams
+// messages writes the first itself and hands the rest to the broker, which
+// gathers them into batches: one syscall per message would cost a streaming
+// sender more than batching saves.
+//
+// Thread safety: every member is safe from any thread; the fd is used only
+// by whoever holds the gate. Ownership: shared by the Stream and the senders
+// that cache it; the Stream sets it up before sharing it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "stream/frame.h"
+#include "stream/output_gauge.h"
+#include "stream/payload.h"
+
+namespace spindle {
+
+struct TxFrame;
+
+class TxGate {
+ public:
+  static constexpr std::uint32_t kBusy = 1;      // frames queued, or a write under way
+  static constexpr std::uint32_t kUser = 2;      // an application thread holds the fd
+  static constexpr std::uint32_t kClosed = 4;    // no more direct writes
+  static constexpr std::uint32_t kDirectOk = 8;  // the peer spoke since the last direct write
+  static constexpr std::uint32_t kPending = 16;  // the broker queued while a user wrote
+
+  std::uint32_t load() const { return state_.load(std::memory_order_acquire); }
+
+  // --- application threads ---
+  bool try_acquire_direct() {
+    std::uint32_t expect = kDirectOk;
+    return state_.compare_exchange_strong(expect, kBusy | kUser, std::memory_order_acq_rel);
+  }
+  // Gives the fd back after a frame written whole. Returns the bits the
+  // broker set meanwhile (kPending: it queued frames; kClosed): it must then
+  // be kicked. With kPending the stream stays busy: its queue is not empty.
+  std::uint32_t release_direct() {
+    std::uint32_t s = state_.load(std::memory_order_acquire);
+    while (true) {
+      std::uint32_t next = (s & kPending) ? (s & ~kUser) : (s & ~(kUser | kBusy));
+      if (state_.compare_exchange_weak(s, next, std::memory_order_acq_rel))
+        return s & (kPending | kClosed);
+    }
+  }
+
+  // --- broker thread ---
+  // The broker's queue is not empty (kPending tells a user writing now that
+  // it must kick the broker when done).
+  void mark_queued() { state_.fetch_or(kBusy | kPending, std::memory_order_acq_rel); }
+  // Whether the broker may write its queue now (no user holds the fd).
+  bool broker_may_write() const { return !(load() & kUser); }
+  // The broker has taken over a frame a user began: the fd is the broker's.
+  void clear_user() { state_.fetch_and(~kUser, std::memory_order_acq_rel); }
+  // Nothing queued any more: direct writes may resume (if allowed).
+  void clear_busy() { state_.fetch_and(~(kBusy | kPending), std::memory_order_acq_rel); }
+  void allow_direct() {
+    if (!(state_.load(std::memory_order_relaxed) & kDirectOk))
+      state_.fetch_or(kDirectOk, std::memory_order_acq_rel);
+  }
+  // No more direct writes. Returns true if a user holds the fd right now:
+  // the broker must wait for its kick before closing it.
+  bool close() { return state_.fetch_or(kClosed, std::memory_order_acq_rel) & kUser; }
+
+ private:
+  std::atomic<std::uint32_t> state_{kBusy};  // busy until the handshake is done
+};
+
+class StreamPort {
+ public:
+  explicit StreamPort(std::size_t high_water_mark);
+
+  const std::uint64_t serial;  // unique in the process, never reused
+  OutputGauge gauge;
+  TxGate gate;
+
+  enum class Direct { kNotIdle, kWritten, kFailed };
+  // On an application thread, for a frame without fds or memfd body whose
+  // `charged` bytes are already on the gauge: writes it now if the stream
+  // is idle. kWritten: the frame is the stream's (written whole, or its rest
+  // handed to the broker). kNotIdle: queue it the usual way. kFailed: the
+  // connection is gone; `error` says why (the broker closes the stream).
+  Direct try_write(const Header& h, const Payload& body, std::size_t charged, std::string& error);
+
+  // Set by the stream before it is shared.
+  int fd = -1;
+  bool is_socket = false;
+  std::string name;
+  // The broker takes over: the rest of a frame (null: only a kick).
+  std::function<void(TxFrame* rest, const std::string& error)> hand_over;
+  std::atomic<std::uint64_t> direct_writes{0};
+};
+
+}  // namespace spindle

@@ -1,0 +1,336 @@
+// Positions are absolute byte counts of the inline log (head_ written, tail_
+// appended); block k of blocks_ holds [base_ + k*kTxBlockSize, ...). A TxFrame
+// entry sits at an inline position: everything inline before it goes first.
+//
+// Blocks are freed only behind boundary_, the start of the oldest frame not
+// yet written whole, so that when a stream closes, a frame the peer received
+// only in part can still be decoded and its sender told it was not delivered.
+#include "stream/tx_queue.h"
+
+#include <sys/mman.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "stream/memfd.h"
+
+namespace spindle {
+namespace {
+
+// Free blocks of this thread, reused before new ones are allocated. Bounded,
+// so a burst that once needed many blocks does not keep them forever.
+class BlockPool {
+ public:
+  ~BlockPool() {
+    for (auto* b : free_) delete[] b;
+  }
+  std::uint8_t* get() {
+    if (free_.empty()) return new std::uint8_t[kTxBlockSize];
+    std::uint8_t* b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+  void put(std::uint8_t* b) {
+    if (free_.size() < kMaxCached) free_.push_back(b);
+    else delete[] b;
+  }
+
+ private:
+  static constexpr std::size_t kMaxCached = 64;  // 2 MiB per broker thread
+  std::vector<std::uint8_t*> free_;
+};
+
+BlockPool& pool() {
+  static thread_local BlockPool p;
+  return p;
+}
+
+}  // namespace
+
+std::size_t TxFrame::body_size() const { return streamed ? streamed->size() : body.size(); }
+
+TxQueue::~TxQueue() { clear(); }
+
+std::uint8_t* TxQueue::block_at(std::uint64_t pos) {
+  std::size_t k = static_cast<std::size_t>((pos - base_) / kTxBlockSize);
+  return blocks_[k] + (pos - base_) % kTxBlockSize;
+}
+
+void TxQueue::push_bytes(const std::uint8_t* p, std::size_t n) {
+  while (n > 0) {
+    std::size_t in_block = static_cast<std::size_t>((tail_ - base_) % kTxBlockSize);
+    if (tail_ - base_ == blocks_.size() * kTxBlockSize) {
+      blocks_.push_back(pool().get());
+      if (account_) account_->charge(kTxBlockSize);
+      in_block = 0;
+    }
+    std::size_t len = std::min(n, kTxBlockSize - in_block);
+    std::memcpy(block_at(tail_), p, len);
+    tail_ += len;
+    p += len;
+    n -= len;
+  }
+}
+
+void TxQueue::append_inline(const HeaderBytes& header, const std::uint8_t* body, std::size_t n) {
+  push_bytes(header.data(), kHeaderSize);
+  push_bytes(body, n);
+  queued_ += kHeaderSize + n;
+}
+
+void TxQueue::append_inline(const HeaderBytes& header, const Payload& body) {
+  push_bytes(header.data(), kHeaderSize);
+  for (const Slice& s : body.slices()) push_bytes(s.data, s.size);
+  queued_ += kHeaderSize + body.size();
+}
+
+void TxQueue::append_raw(const std::uint8_t* p, std::size_t n) {
+  // Raw bytes are not a frame: entered as an entry, so boundaries stay
+  // decodable from frame headers.
+  TxFrame f;
+  f.has_header = false;
+  f.body = Payload::copy_of(std::span<const std::uint8_t>(p, n));
+  f.charged = 0;
+  append_frame(std::move(f));
+}
+
+void TxQueue::append_frame(TxFrame&& f) {
+  queued_ += f.charged;
+  Entry e;
+  e.at = tail_;
+  e.frame = std::move(f);
+  frames_.push_back(std::move(e));
+}
+
+void TxQueue::push_front_frame(TxFrame&& f) {
+  queued_ += f.charged;
+  Entry e;
+  e.at = head_;
+  e.sent = f.skip;
+  e.frame = std::move(f);
+  frames_.push_front(std::move(e));
+}
+
+TxFrame* TxQueue::head_frame() {
+  if (frames_.empty() || frames_.front().at != head_) return nullptr;
+  return &frames_.front().frame;
+}
+
+TxFrame TxQueue::pop_head_frame() {
+  Entry& e = frames_.front();
+  assert(e.at == head_ && e.sent == 0);
+  TxFrame f = std::move(e.frame);
+  queued_ -= f.charged;
+  pop_front_entry();
+  return f;
+}
+
+void TxQueue::pop_front_entry() {
+  unmap_window(frames_.front());
+  frames_.pop_front();
+}
+
+bool TxQueue::map_window(Entry& e, std::size_t off, std::string& error) {
+  if (e.window && off >= e.window_at && off < e.window_at + e.window_len) return true;
+  unmap_window(e);
+  const std::size_t size = e.frame.streamed->size();
+  const std::size_t page = 4096;
+  std::size_t at = off / page * page;
+  std::size_t len = std::min(kStreamWindow, size - at);
+  void* w = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, e.frame.streamed->fd(), static_cast<off_t>(at));
+  if (w == MAP_FAILED) {
+    error = fmt::format("cannot map a window of the memfd body: {}", errno_text(errno));
+    return false;
+  }
+  e.window = w;
+  e.window_at = at;
+  e.window_len = len;
+  return true;
+}
+
+void TxQueue::unmap_window(Entry& e) {
+  if (e.window) ::munmap(e.window, e.window_len);
+  e.window = nullptr;
+  e.window_len = 0;
+}
+
+TxQueue::Gather TxQueue::gather(iovec* iov, int max) {
+  Gather g;
+  std::uint64_t pos = head_;
+  std::size_t fi = 0;  // next entry to consider
+  auto add = [&](const void* p, std::size_t n) {
+    if (n == 0) return;
+    // Contiguous with the previous span (consecutive bytes of one block).
+    if (g.iovcnt > 0 && static_cast<const std::uint8_t*>(iov[g.iovcnt - 1].iov_base) +
+                                iov[g.iovcnt - 1].iov_len == p) {
+      iov[g.iovcnt - 1].iov_len += n;
+    } else {
+      iov[g.iovcnt++] = {const_cast<void*>(p), n};
+    }
+    g.bytes += n;
+  };
+  while (g.iovcnt < max) {
+    std::uint64_t stop = fi < frames_.size() ? frames_[fi].at : tail_;
+    while (pos < stop && g.iovcnt < max) {
+      std::size_t in_block = static_cast<std::size_t>((pos - base_) % kTxBlockSize);
+      std::size_t len = static_cast<std::size_t>(std::min<std::uint64_t>(stop - pos, kTxBlockSize - in_block));
+      add(block_at(pos), len);
+      pos += len;
+    }
+    if (pos < stop || fi >= frames_.size()) break;
+    Entry& e = frames_[fi];
+    TxFrame& f = e.frame;
+    if (f.needs_fds_now()) {
+      if (g.bytes > 0) break;  // its fds go with its first byte: a write of its own
+      g.with_fds = &f;
+    }
+    // A frame that would not fit whole waits for the next write, unless it is
+    // first (then it goes in parts).
+    if (g.bytes > 0 && g.iovcnt + 2 + static_cast<int>(f.body.slices().size()) > max) break;
+    std::size_t skip = e.sent;
+    if (f.has_header) {
+      if (skip < kHeaderSize) add(f.header.data() + skip, kHeaderSize - skip);
+      skip = skip > kHeaderSize ? skip - kHeaderSize : 0;
+    }
+    if (f.streamed) {
+      const std::size_t size = f.streamed->size();
+      if (skip < size && g.iovcnt < max) {
+        if (!map_window(e, skip, g.error)) return g;
+        std::size_t in = skip - e.window_at;
+        add(static_cast<const std::uint8_t*>(e.window) + in, e.window_len - in);
+      }
+      // One window per write: the rest of the body goes next time.
+      if (e.window_at + e.window_len < size) break;
+    } else {
+      for (const Slice& sl : f.body.slices()) {
+        if (g.iovcnt == max) break;
+        if (skip >= sl.size) {
+          skip -= sl.size;
+          continue;
+        }
+        add(sl.data + skip, sl.size - skip);
+        skip = 0;
+      }
+    }
+    ++fi;
+  }
+  return g;
+}
+
+// Moves boundary_ over every frame written whole, reading lengths from the
+// frame headers in the log (a header may straddle two blocks).
+void TxQueue::sync_boundary() {
+  std::uint64_t limit = frames_.empty() ? head_ : std::min<std::uint64_t>(head_, frames_.front().at);
+  while (boundary_ + kHeaderSize <= limit) {
+    std::uint8_t raw[kHeaderSize];
+    std::uint64_t p = boundary_;
+    for (std::size_t i = 0; i < kHeaderSize;) {
+      std::size_t in_block = static_cast<std::size_t>((p - base_) % kTxBlockSize);
+      std::size_t len = std::min(kHeaderSize - i, kTxBlockSize - in_block);
+      std::memcpy(raw + i, block_at(p), len);
+      i += len;
+      p += len;
+    }
+    Header h = decode_header(raw);
+    std::uint64_t end = boundary_ + kHeaderSize + h.length;
+    if (end > limit) break;
+    boundary_ = end;
+    ++frames_written_;
+  }
+}
+
+void TxQueue::free_blocks_before(std::uint64_t pos) {
+  while (!blocks_.empty() && pos - base_ >= kTxBlockSize) {
+    pool().put(blocks_.front());
+    blocks_.pop_front();
+    base_ += kTxBlockSize;
+    if (account_) account_->release(kTxBlockSize);
+  }
+  // An empty log gives its last block back too, and starts afresh at tail_.
+  if (head_ == tail_ && boundary_ == head_ && !blocks_.empty()) {
+    pool().put(blocks_.front());
+    blocks_.pop_front();
+    if (account_) account_->release(kTxBlockSize);
+    base_ = tail_;
+  }
+}
+
+std::size_t TxQueue::advance(std::size_t n) {
+  std::size_t released = 0;
+  while (n > 0) {
+    std::uint64_t stop = frames_.empty() ? tail_ : frames_.front().at;
+    if (head_ < stop) {
+      std::size_t len = static_cast<std::size_t>(std::min<std::uint64_t>(n, stop - head_));
+      head_ += len;
+      n -= len;
+      released += len;
+      continue;
+    }
+    Entry& e = frames_.front();
+    std::size_t left = e.frame.size() - e.sent;
+    if (n < left) {
+      e.sent += n;
+      break;
+    }
+    n -= left;
+    released += e.frame.charged;
+    if (e.frame.has_header) ++frames_written_;
+    pop_front_entry();
+    boundary_ = head_;  // an entry ends on a frame boundary
+  }
+  queued_ -= std::min(queued_, released);
+  sync_boundary();
+  free_blocks_before(boundary_);
+  return released;
+}
+
+Unsent TxQueue::clear() {
+  Unsent u;
+  auto note = [&u](const Header& h) {
+    if (h.is_dead()) {
+      ++u.dead;
+    } else if (h.reply_to == 0) {
+      if (u.other_headers.size() < Unsent::kOtherKept) u.other_headers.push_back(h);
+      ++u.other;
+    } else {
+      u.wanting_reply.push_back(h);
+    }
+  };
+  // Inline frames from the oldest not written whole.
+  auto inline_until = [&](std::uint64_t stop) {
+    while (boundary_ + kHeaderSize <= stop) {
+      std::uint8_t raw[kHeaderSize];
+      std::uint64_t p = boundary_;
+      for (std::size_t i = 0; i < kHeaderSize;) {
+        std::size_t in_block = static_cast<std::size_t>((p - base_) % kTxBlockSize);
+        std::size_t len = std::min(kHeaderSize - i, kTxBlockSize - in_block);
+        std::memcpy(raw + i, block_at(p), len);
+        i += len;
+        p += len;
+      }
+      Header h = decode_header(raw);
+      note(h);
+      boundary_ += kHeaderSize + h.length;
+    }
+    boundary_ = stop;
+  };
+  while (!frames_.empty()) {
+    inline_until(frames_.front().at);
+    TxFrame& f = frames_.front().frame;
+    if (f.original) u.originals.push_back(std::move(f.original));
+    else if (f.has_header) note(decode_header(f.header.data()));
+    pop_front_entry();
+  }
+  inline_until(tail_);
+  head_ = boundary_ = tail_;
+  queued_ = 0;
+  free_blocks_before(tail_);
+  return u;
+}
+
+}  // namespace spindle
