@@ -93,33 +93,24 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
     throw_errno("pidfd_open");
   }
   auto proc = std::make_shared<ChildProcess>(pid, pidfd);
-  // The broker watches its own duplicate, so ChildProcess::wait() can poll the
-  // original from another thread.
-  int watch_fd = ::fcntl(pidfd, F_DUPFD_CLOEXEC, 3);
-  if (watch_fd < 0) log().warn("dup(pidfd) for ctx={}: {}; exit is reaped by wait_exit() only", id, errno_text(errno));
   // Wait until the child is routed: a message sent right after we return
   // could otherwise be routed by an outbox drain queued earlier, before the
   // stream exists, and get "no route".
   auto adopted = std::make_shared<std::promise<void>>();
   auto routed = adopted->get_future();
-  parent.broker().defer([&parent, read_fd, write_fd, id, name, proc, watch_fd, adopted] {
+  parent.broker().defer([&parent, read_fd, write_fd, id, name, pid, adopted] {
     try {
       parent.add_child_stream(read_fd, write_fd, id, name);
     } catch (const std::exception& e) {
       // The child sees its link close (or its handshake time out) and exits;
-      // it is still reaped below.
-      log().error("cannot adopt child ctx={} ({}) pid={}: {}", id, name, proc->pid(), e.what());
+      // it is still reaped (below, or by the broker's end).
+      log().error("cannot adopt child ctx={} ({}) pid={}: {}", id, name, pid, e.what());
     }
     adopted->set_value();
-    if (watch_fd < 0) return;
-    auto watch = std::make_shared<asio::posix::stream_descriptor>(parent.broker().io(), watch_fd);
-    watch->async_wait(asio::posix::descriptor_base::wait_read,
-                      [watch, proc, id, name](const std::error_code& ec) {
-                        if (ec == asio::error::operation_aborted) return;
-                        if (auto st = proc->reap())
-                          log().info("child ctx={} ({}) pid={} {}", id, name, proc->pid(),
-                                     describe_wait_status(*st));
-                      });
+  });
+  // The broker reaps it when it exits, or at its own end: no zombies.
+  parent.broker().watch_child(proc, [id, name, pid](int status) {
+    log().info("child ctx={} ({}) pid={} {}", id, name, pid, describe_wait_status(status));
   });
   routed.wait();
   return Context(parent, id, name, std::move(proc));

@@ -26,7 +26,7 @@ class LaneSet;
 
 namespace fork_guard {
 
-inline constexpr std::chrono::milliseconds kForkQuiesceLimit{2000};
+inline constexpr std::chrono::milliseconds kForkQuiesceLimit{10};
 
 void register_set(LaneSet* set);
 void unregister_set(LaneSet* set);

@@ -22,7 +22,7 @@
 
 namespace spindle {
 
-inline constexpr std::size_t kDefaultHighWaterMark = 64u << 20;  // 64 MiB
+inline constexpr std::size_t kDefaultHighWaterMark = 8u << 20;  // 8 MiB
 
 class OutputGauge {
  public:
