@@ -16,9 +16,9 @@ Connection::Connection(RouterOptions opts)
 
 Connection::~Connection() { close(); }
 
-void Connection::connect(const UnixAddress& address) {
+void Connection::connect(const UnixAddress& address, std::chrono::milliseconds timeout) {
   if (router_->parent_id()) throw Error("this Connection is already connected");
-  int fd = connect_unix(address);
+  int fd = connect_unix(address, timeout);
   try {
     router_->attach_parent(fd, fd);
   } catch (const Error& e) {
@@ -43,9 +43,11 @@ Context Connection::context(std::uint32_t id, std::string name) const {
   return Context(*router_, id, name.empty() ? fmt::format("client-{}", id) : std::move(name));
 }
 
-std::unique_ptr<Connection> connect(const std::string& address, RouterOptions opts) {
+std::unique_ptr<Connection> connect(const std::string& address, RouterOptions opts,
+                                    std::chrono::milliseconds timeout) {
+  opts.handshake_timeout = std::min(opts.handshake_timeout, timeout);
   auto c = std::make_unique<Connection>(std::move(opts));
-  c->connect(address.empty() ? default_router_address() : UnixAddress::parse(address));
+  c->connect(address.empty() ? default_router_address() : UnixAddress::parse(address), timeout);
   return c;
 }
 

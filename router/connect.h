@@ -33,10 +33,12 @@ class Connection {
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  // Connects and completes the handshake (bounded by the router options'
-  // handshake_timeout). Throws Error: cannot connect, refused (with the
-  // router's reason), or timed out.
-  void connect(const UnixAddress& address);
+  // Connects and completes the handshake within `timeout` (and the router
+  // options' handshake_timeout). Checks the server first (unix_address.h:
+  // its uid, its directory). Throws Error: cannot connect, not a router of
+  // ours, refused (with the router's reason), or timed out.
+  void connect(const UnixAddress& address,
+               std::chrono::milliseconds timeout = std::chrono::milliseconds(10000));
   // Graceful: queued messages are flushed, then the link closes. Idempotent.
   void close(std::chrono::milliseconds grace = std::chrono::milliseconds(5000));
 
@@ -53,7 +55,9 @@ class Connection {
   std::unique_ptr<Router> router_;
 };
 
-// Connects to `address` ("@name" for abstract; empty for the per-user default).
-std::unique_ptr<Connection> connect(const std::string& address = {}, RouterOptions opts = {});
+// Connects to `address` ("@name" for abstract; empty for the per-user default)
+// within `timeout`.
+std::unique_ptr<Connection> connect(const std::string& address = {}, RouterOptions opts = {},
+                                    std::chrono::milliseconds timeout = std::chrono::milliseconds(10000));
 
 }  // namespace spindle

@@ -4,6 +4,9 @@
 // error code, a client throws).
 #include "router/unix_address.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +14,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 
 #include <fmt/format.h>
 
@@ -71,23 +75,64 @@ void ensure_private_dir(const std::string& dir) {
                             dir, st.st_mode & 07777));
 }
 
-int connect_unix(const UnixAddress& addr) {
+void check_socket_dir(const std::string& socket_path) {
+  auto slash = socket_path.rfind('/');
+  std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : socket_path.substr(0, slash);
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0)
+    throw Error(fmt::format("cannot inspect {}: {}", dir, errno_text(errno)));
+  if (st.st_uid != ::geteuid() && st.st_uid != 0)
+    throw Error(fmt::format("refusing {}: its directory {} belongs to uid {}, not to this user "
+                            "(uid {}) or root", socket_path, dir, st.st_uid, ::geteuid()));
+  if ((st.st_mode & 022) != 0)
+    throw Error(fmt::format("refusing {}: its directory {} has mode {:04o}, so another user could "
+                            "have put a socket there (use a directory only you can write to)",
+                            socket_path, dir, st.st_mode & 07777));
+}
+
+int connect_unix(const UnixAddress& addr, std::chrono::milliseconds timeout) {
+  if (!addr.abstract) check_socket_dir(addr.name);
   sockaddr_un sa{};
   socklen_t len = addr.to_sockaddr(sa);
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) throw Error(fmt::format("socket(AF_UNIX): {}", errno_text(errno)));
-  int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), len);
-  // A signal can interrupt a connect waiting on a full backlog; the retry
-  // then finds the connection already made (EISCONN) or still on its way.
-  while (rc != 0 && (errno == EINTR || errno == EALREADY)) {
+  auto fail = [&](const std::string& why) {
+    ::close(fd);
+    throw Error(fmt::format("cannot connect to {}: {}", addr.to_string(), why));
+  };
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int rc;
+  do {
+    rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), len);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0 && errno != EAGAIN && errno != EINPROGRESS) fail(errno_text(errno));
+  // A UNIX connect returns EAGAIN while the listener's backlog is full:
+  // retry until it is accepted or the time is up.
+  while (rc != 0) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0)
+      fail(fmt::format("no answer within {} ms (the router's backlog is full or it is stuck)",
+                       timeout.count()));
+    pollfd p{fd, POLLOUT, 0};
+    int n = ::poll(&p, 1, static_cast<int>(std::min<long>(left.count(), 20)));
+    if (n < 0 && errno != EINTR) fail(fmt::format("poll: {}", errno_text(errno)));
     rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), len);
     if (rc != 0 && errno == EISCONN) rc = 0;
+    if (rc != 0 && errno != EAGAIN && errno != EINPROGRESS && errno != EALREADY && errno != EINTR)
+      fail(errno_text(errno));
   }
-  if (rc != 0) {
-    int e = errno;
-    ::close(fd);
-    throw Error(fmt::format("cannot connect to {}: {}", addr.to_string(), errno_text(e)));
-  }
+  ucred cr{};
+  socklen_t crlen = sizeof cr;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &crlen) != 0)
+    fail(fmt::format("SO_PEERCRED: {}", errno_text(errno)));
+  if (cr.uid != ::geteuid() && cr.uid != 0)
+    fail(fmt::format("the process listening there (pid {}) runs as uid {}, not as this user "
+                     "(uid {}) or root: refusing to talk to it", cr.pid, cr.uid, ::geteuid()));
+  // Hand the fd back blocking, as a plain connect() would: raw users (tests,
+  // tools) write to it directly, and a Stream sets its own mode.
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
+    fail(fmt::format("fcntl: {}", errno_text(errno)));
   return fd;
 }
 

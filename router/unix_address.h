@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -34,7 +35,15 @@ UnixAddress default_router_address();
 // Creates `dir` with mode 0700 if missing; throws Error unless it is then a
 // real directory (not a symlink) owned by this euid with no group/other access.
 void ensure_private_dir(const std::string& dir);
-// A blocking connect; returns a CLOEXEC socket or throws Error naming the address.
-int connect_unix(const UnixAddress& addr);
+// Connects within `timeout` (a full backlog cannot hang the caller), then
+// checks who listens: the peer must run as this euid or as root
+// (SO_PEERCRED), and a path must lie in a directory that this user (or root)
+// owns and nobody else may write to, so no other user can have put a socket
+// of theirs there. Returns a CLOEXEC socket or throws Error naming the
+// address and the reason.
+int connect_unix(const UnixAddress& addr,
+                 std::chrono::milliseconds timeout = std::chrono::milliseconds(10000));
+// The directory check alone (throws Error).
+void check_socket_dir(const std::string& socket_path);
 
 }  // namespace spindle

@@ -288,15 +288,17 @@ TEST_F(Hostile, RandomBytesDisconnectThatPeerAlone) {
 TEST_F(Hostile, FloodOfFdsIsBoundedByTheSendersQuota) {
   constexpr std::uint32_t kSink = 2100;
   // Bodies big enough (but under the 1 MiB memfd threshold) to fill the
-  // receiver's socket buffer, so the fds wait in the router's queue.
-  constexpr int kMessages = 64, kFdsEach = 100;
+  // receiver's socket buffer (up to 8 MiB), so the fds wait in the router's
+  // queue. The high-water marks are raised on both sides so that the only
+  // limit this flood can meet is the fd quota.
+  constexpr int kMessages = 48, kFdsEach = 100;
   constexpr std::size_t kBody = 900 * 1024;
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   std::atomic<int> received{0};
   // This fixture's router allows 4 KiB messages: start one with the default limit.
   std::string sock = dir_.path() + "/fds.sock";
-  RouterProcess router(SPINDLE_ROUTER_BINARY, sock);
+  RouterProcess router(SPINDLE_ROUTER_BINARY, sock, {"--high-water-mark", "256M"});
   ASSERT_TRUE(router.wait_ready()) << router.log();
   Connection b;
   b.router().add_handler(
@@ -306,7 +308,9 @@ TEST_F(Hostile, FloodOfFdsIsBoundedByTheSendersQuota) {
       },
       {}, kSink);
   b.connect(UnixAddress::parse(sock));
-  auto a = connect(sock);
+  RouterOptions roomy;
+  roomy.high_water_mark = 256u << 20;
+  auto a = connect(sock, roomy);
   auto good = connect(sock);
   int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   ASSERT_GE(devnull, 0);
@@ -326,6 +330,15 @@ TEST_F(Hostile, FloodOfFdsIsBoundedByTheSendersQuota) {
     return services::call_text(good->router_context(), services::kPingService,
                                services::kPingMethod, "alive", 20s);
   };
+  // The receiver is stalled, so nothing can be delivered yet: the first
+  // call to complete is one the router refused over the quota.
+  auto any_ready = [&] {
+    for (auto& c : calls)
+      if (c.wait_for(0s) == std::future_status::ready) return true;
+    return false;
+  };
+  EXPECT_TRUE(eventually(any_ready, 20s)) << "no fds were refused while the receiver was stalled" << router.log();
+  EXPECT_EQ(received.load(), 1) << "the receiver should still be stalled on its first message";
   EXPECT_EQ(ping(), "alive") << router.log();
   release.set_value();
   int delivered = 0, refused = 0;
@@ -339,7 +352,7 @@ TEST_F(Hostile, FloodOfFdsIsBoundedByTheSendersQuota) {
       ++refused;
     }
   }
-  EXPECT_GT(refused, 0) << "6400 fds sent to a stalled receiver were never charged against the quota of 1024";
+  EXPECT_GT(refused, 0) << "4800 fds sent to a stalled receiver were never charged against the quota of 1024";
   EXPECT_GT(delivered, 0);
   EXPECT_EQ(delivered + refused, kMessages);
   EXPECT_EQ(ping(), "alive") << router.log();

@@ -58,6 +58,20 @@ options:
                            default only this process's uid may connect
   --threads N              worker threads running service calls (2)
   --shutdown-grace DUR     how long a graceful shutdown may drain (5s)
+
+limits (each peer is charged for what it makes the router hold):
+  --high-water-mark SIZE   bytes queued towards one peer before senders are
+                           refused with "output queue full" (8M)
+  --peer-memory-limit SIZE memory one peer may make the router hold: queued
+                           frames, receive chunks, memfd bodies, service work;
+                           over it the router stops reading that peer (64M)
+  --memory-limit SIZE      all peers together; over it the peers holding more
+                           than their fair share are paused (1G)
+  --fd-quota N             fds one peer may have in flight through the router (1024)
+  --stall-timeout DUR      disconnect a peer that takes nothing from a full
+                           queue for this long; 0 = never (10s)
+  --accept-client-logs     accept FORWARD_LOG from clients (marked with their
+                           context); by default only children may log here
   --help                   print this help and exit
   --version                print the version and exit
 
@@ -117,6 +131,18 @@ std::optional<Config> parse(int argc, char** argv) {
                                                   spindle::services::Pool::kMaxThreads);
     } else if (o == "--shutdown-grace") {
       c.grace = spindle::tools::parse_duration(o, args.value(o));
+    } else if (o == "--high-water-mark") {
+      c.router.high_water_mark = spindle::tools::parse_size(o, args.value(o), 4096, std::size_t{1} << 40);
+    } else if (o == "--peer-memory-limit") {
+      c.router.peer_memory_limit = spindle::tools::parse_size(o, args.value(o), 1 << 20, std::size_t{1} << 40);
+    } else if (o == "--memory-limit") {
+      c.router.memory_limit = spindle::tools::parse_size(o, args.value(o), 1 << 20, std::size_t{1} << 44);
+    } else if (o == "--fd-quota") {
+      c.router.fd_quota = spindle::tools::parse_size(o, args.value(o), 1, 1u << 20);
+    } else if (o == "--stall-timeout") {
+      c.router.stall_timeout = spindle::tools::parse_duration(o, args.value(o));
+    } else if (o == "--accept-client-logs") {
+      c.router.accept_client_logs = true;
     } else {
       throw spindle::tools::UsageError(fmt::format("unknown option '{}'", o));
     }
