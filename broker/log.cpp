@@ -4,6 +4,7 @@
 // child). A handful of leaked loggers per process is the price of never
 // deadlocking on one.
 #include "broker/log.h"
+#include "broker/log_sink.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -60,27 +61,6 @@ std::unique_ptr<spdlog::formatter> make_log_formatter() {
 
 namespace {
 
-// spdlog's own console sinks share one function-static mutex; a fork while a
-// parent thread holds it would leave the child unable to log. This sink has its
-// own mutex, and a forked child builds a new one.
-class StderrSink final : public spdlog::sinks::base_sink<std::mutex> {
- protected:
-  void sink_it_(const spdlog::details::log_msg& msg) override {
-    spdlog::memory_buf_t buf;
-    formatter_->format(msg, buf);
-    const char* p = buf.data();
-    std::size_t left = buf.size();
-    while (left > 0) {
-      ssize_t n = ::write(STDERR_FILENO, p, left);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return;  // nowhere to report a failure to log
-      p += n;
-      left -= static_cast<std::size_t>(n);
-    }
-  }
-  void flush_() override {}
-};
-
 std::atomic<spdlog::logger*> g_logger{nullptr};
 
 // Every logger ever made stays on this list, so a replaced one is still
@@ -103,7 +83,7 @@ std::uint32_t g_context_id = 0;
 std::string g_context_name;
 
 spdlog::logger* make_logger(std::vector<spdlog::sink_ptr> sinks, spdlog::level::level_enum level) {
-  if (sinks.empty()) sinks.push_back(std::make_shared<StderrSink>());
+  if (sinks.empty()) sinks.push_back(stderr_sink());
   std::string name = "ctx=" + std::to_string(g_context_id);
   if (!g_context_name.empty()) name += "(" + g_context_name + ")";
   auto* l = new spdlog::logger(name, sinks.begin(), sinks.end());

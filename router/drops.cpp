@@ -23,6 +23,17 @@ void Router::note_undeliverable(const Header& h, const std::string& why) {
   drops_.logged_at = now;
 }
 
+void Router::note_wrong_sender(const std::string& why) {
+  auto now = Clock::now();
+  ++wrong_senders_.count;
+  wrong_senders_.last = why;
+  if (now - wrong_senders_.logged_at < std::chrono::seconds(1)) return;
+  log().warn("ignored {} reply(ies) to pending calls from contexts other than the callee; the last: {}",
+             wrong_senders_.count, wrong_senders_.last);
+  wrong_senders_.count = 0;
+  wrong_senders_.logged_at = now;
+}
+
 void Router::note_refusal(Link& in, std::string_view kind, const std::string& why) {
   auto now = Clock::now();
   ++in.refusals;

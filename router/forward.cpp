@@ -262,7 +262,7 @@ void Router::complete_call(Message&& m) {
       std::string why = fmt::format("{}: handle {:#x} expects a reply from context {}, not {}",
                                     reason::kNotFromCallee, h.handle, callee ? *callee : 0,
                                     h.src_id);
-      log().warn("{}", why);
+      note_wrong_sender(why);
       if (h.reply_to != 0 && !h.is_dead()) send_dead(h, why);
       return;
     }

@@ -285,6 +285,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   void mark_dirty(Link& l);
   // drops.cpp: what could not be answered, counted and logged in summary
   void note_undeliverable(const Header& h, const std::string& why);
+  // A reply to a pending call from a context other than its callee (a forged
+  // or misrouted reply): counted, logged at most once a second.
+  void note_wrong_sender(const std::string& why);
   void note_refusal(Link& in, std::string_view kind, const std::string& why);
   // calls.cpp
   std::exception_ptr timeout_error(std::uint32_t callee, std::chrono::milliseconds timeout) const;
@@ -356,7 +359,7 @@ class Router : public StreamListener, public ShutdownParticipant {
     std::uint64_t count = 0;
     std::string last;
     Clock::time_point logged_at{};
-  } drops_;
+  } drops_, wrong_senders_;
 
   // any thread: the ports application threads send through
   std::atomic<std::uint64_t> route_epoch_{1};

@@ -49,6 +49,9 @@ inline constexpr std::string_view kFdsUnsupported = "peer cannot take file descr
 inline constexpr std::string_view kTooManyFds = "too many file descriptors";
 inline constexpr std::string_view kSendFailed = "cannot send file descriptors";
 inline constexpr std::string_view kBadMemfd = "refused memfd payload";
+// The same text as reason::kTooLarge (router/reasons.h), for a body too large
+// for the 32-bit length field or the stream's maximum.
+inline constexpr std::string_view kTooLarge = "message too large";
 }  // namespace fdreason
 
 }  // namespace spindle

@@ -143,6 +143,13 @@ void Stream::push_frame(Message&& m, std::size_t charged) {
     return refuse(std::move(m), charged,
                   fmt::format("{}: {} exceeds the limit of {} per message", fdreason::kTooManyFds,
                               nfds, kMaxFdsPerMessage));
+  // The frame's length field is 32 bits: a body (a memfd's, say) that would
+  // not fit is refused here, before any length is narrowed.
+  const std::uint64_t body_size = m.sealed_body ? m.sealed_body->size() : m.data.size();
+  if (body_size > max_message_size())
+    return refuse(std::move(m), charged,
+                  fmt::format("{}: {} bytes exceeds the maximum of {} on stream {}", fdreason::kTooLarge,
+                              body_size, max_message_size(), name()));
   const bool fd_peer = peer_takes_fds();
   if (nfds > 0 && !fd_peer)
     return refuse(std::move(m), charged,

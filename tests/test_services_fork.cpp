@@ -146,6 +146,9 @@ TEST(ServicesFork, ForkWhileThePoolIsBusy) {
     SCOPED_TRACE(round);
     pause = true;
     ASSERT_TRUE(eventually([&] { return paused.load() == 2; }));
+    // Before the fix a fork waited up to 2 s for pool jobs that needed the
+    // broker; the guard now waits at most kForkQuiesceLimit (10 ms).
+    const auto fork_began = std::chrono::steady_clock::now();
     Context child = fork_child(rig.router, [](ChildEnv& env) {
       services::Pool pool(pool_of(2));
       services::ServiceHost host(env.router(), pool);
@@ -155,6 +158,8 @@ TEST(ServicesFork, ForkWhileThePoolIsBusy) {
       env.serve();
       return 0;
     }, named(fmt::format("forked-{}", round)));
+    const auto fork_took = std::chrono::steady_clock::now() - fork_began;
+    EXPECT_LT(fork_took, 1500ms) << "a fork from a busy process stalled";
     pause = false;
     // fork_child() defers adding the child's stream; a drain of the outbox
     // deferred earlier by the callers may run first and find no route yet.

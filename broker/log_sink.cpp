@@ -1,0 +1,156 @@
+// The non-blocking stderr sink (see log_sink.h). The queue is a deque of
+// formatted lines under one mutex held only to push or to swap the queue out;
+// the writer thread sleeps on a condition variable between batches.
+#include "broker/log_sink.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <fmt/format.h>
+#include <spdlog/details/log_msg.h>
+#include <spdlog/pattern_formatter.h>
+
+#include "broker/log.h"
+
+namespace spindle {
+namespace {
+
+constexpr std::size_t kMaxQueuedBytes = 1u << 20;
+
+void write_fully(const char* p, std::size_t left) {
+  while (left > 0) {
+    ssize_t n = ::write(STDERR_FILENO, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // nowhere to report a failure to log
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+}
+
+class AsyncStderrSink final : public spdlog::sinks::sink {
+ public:
+  AsyncStderrSink() : owner_(::getpid()), formatter_(make_log_formatter()) {}
+
+  void log(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t buf;
+    std::unique_lock lk(mu_);
+    formatter_->format(msg, buf);
+    if (::getpid() != owner_) {
+      // A forked child that has not reset its logging: no writer thread here.
+      lk.unlock();
+      write_fully(buf.data(), buf.size());
+      return;
+    }
+    if (queued_bytes_ + buf.size() > kMaxQueuedBytes) {
+      ++dropped_;
+      total_dropped_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    queued_bytes_ += buf.size();
+    queue_.emplace_back(buf.data(), buf.size());
+    if (!started_) start_locked();
+    if (idle_) cv_.notify_one();
+  }
+  void flush() override {}  // the writer drains continuously; see drain() for exit
+  void set_pattern(const std::string& pattern) override {
+    std::lock_guard lk(mu_);
+    auto f = std::make_unique<spdlog::pattern_formatter>();
+    f->set_pattern(pattern);
+    formatter_ = std::move(f);
+  }
+  void set_formatter(std::unique_ptr<spdlog::formatter> f) override {
+    std::lock_guard lk(mu_);
+    formatter_ = std::move(f);
+  }
+
+  // Waits (at most `limit`) until everything queued so far is written.
+  void drain(std::chrono::milliseconds limit) {
+    std::unique_lock lk(mu_);
+    if (!started_ || ::getpid() != owner_) return;
+    drained_.wait_for(lk, limit, [&] { return queue_.empty() && !writing_; });
+  }
+  pid_t owner() const { return owner_; }
+  std::uint64_t total_dropped() const { return total_dropped_.load(std::memory_order_relaxed); }
+
+ private:
+  void start_locked() {
+    started_ = true;
+    std::thread([this] { run(); }).detach();  // the sink is never freed
+  }
+  void run() {
+    std::deque<std::string> batch;
+    std::unique_lock lk(mu_);
+    for (;;) {
+      idle_ = true;
+      drained_.notify_all();
+      cv_.wait(lk, [&] { return !queue_.empty() || dropped_ != 0; });
+      idle_ = false;
+      batch.swap(queue_);
+      queued_bytes_ = 0;
+      const std::uint64_t dropped = std::exchange(dropped_, 0);
+      writing_ = true;
+      lk.unlock();
+      for (const std::string& line : batch) write_fully(line.data(), line.size());
+      batch.clear();
+      if (dropped) {
+        std::string note = fmt::format("spindle: dropped {} log line(s): stderr is not keeping up\n", dropped);
+        write_fully(note.data(), note.size());
+      }
+      lk.lock();
+      writing_ = false;
+    }
+  }
+
+  const pid_t owner_;
+  std::mutex mu_;
+  std::condition_variable cv_, drained_;
+  std::unique_ptr<spdlog::formatter> formatter_;
+  std::deque<std::string> queue_;
+  std::size_t queued_bytes_ = 0;
+  std::uint64_t dropped_ = 0;
+  std::atomic<std::uint64_t> total_dropped_{0};
+  bool started_ = false, idle_ = false, writing_ = false;
+};
+
+// The sink of the process that made it; never freed (a detached writer thread
+// and leaked loggers use it until exit). An atomic, not a mutex: a child
+// forked while another thread was here must not find a lock held forever.
+std::atomic<AsyncStderrSink*> g_sink{nullptr};
+
+void drain_at_exit() {
+  AsyncStderrSink* s = g_sink.load(std::memory_order_acquire);
+  if (s && s->owner() == ::getpid()) s->drain(std::chrono::seconds(1));
+}
+
+}  // namespace
+
+std::shared_ptr<spdlog::sinks::sink> stderr_sink() {
+  static std::once_flag hook;
+  std::call_once(hook, [] { std::atexit(drain_at_exit); });
+  AsyncStderrSink* s = g_sink.load(std::memory_order_acquire);
+  while (!s || s->owner() != ::getpid()) {
+    auto* mine = new AsyncStderrSink();
+    if (g_sink.compare_exchange_strong(s, mine, std::memory_order_acq_rel)) {
+      s = mine;
+      break;
+    }
+    delete mine;  // another thread installed one first: s is now that one
+  }
+  return std::shared_ptr<spdlog::sinks::sink>(s, [](spdlog::sinks::sink*) {});
+}
+
+std::uint64_t stderr_lines_dropped() {
+  AsyncStderrSink* s = g_sink.load(std::memory_order_acquire);
+  return s && s->owner() == ::getpid() ? s->total_dropped() : 0;
+}
+
+}  // namespace spindle

@@ -1,0 +1,380 @@
+// The holes of issue #11 (hardening), each against the real spindle-router:
+// memory a peer makes the router hold is charged to it and bounded, logs
+// cannot be forged or flooded, and a client cannot act for another context.
+// Each case keeps a well-behaved client and checks it is still served.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <future>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "router/call_table.h"
+#include "router/reasons.h"
+#include "stream/fd_frame.h"
+#include "tests/fds_test_util.h"
+#include "tests/process_util.h"
+#include "tests/raw_peer.h"
+#include "tests/router_probe.h"
+#include "tests/router_test_util.h"
+
+namespace spindle {
+namespace {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+constexpr std::uint32_t kEcho = 2000;
+
+class Hardening : public ::testing::Test {
+ protected:
+  void start(std::vector<std::string> extra = {}) {
+    extra.insert(extra.end(), {"--log-level", "info"});
+    router_ = std::make_unique<RouterProcess>(SPINDLE_ROUTER_BINARY, socket(), extra);
+    ASSERT_TRUE(router_->wait_ready()) << router_->log();
+    RouterOptions ro;
+    ro.name = "good";
+    good_ = connect(socket(), ro);
+  }
+  std::string socket() const { return dir_.path() + "/router.sock"; }
+  UnixAddress address() const { return UnixAddress::parse(socket()); }
+  RawPeer raw_client(std::uint16_t flags = kFlagNone) {
+    RawPeer p = RawPeer::connect_to(address());
+    id_ = p.handshake(flags);
+    return p;
+  }
+  void expect_served(const std::string& after) {
+    std::string text = "alive after " + after;
+    EXPECT_EQ(services::call_text(good_->router_context(), services::kPingService,
+                                  services::kPingMethod, text, 20s),
+              text)
+        << router_->log();
+  }
+  bool logged(std::string_view needle, std::chrono::milliseconds t = 20s) {
+    return eventually([&] { return contains(router_->log(), needle); }, t);
+  }
+  long rss_kib() const { return vm_rss_kib(router_->pid()); }
+  // The router's log lines that contain `needle`.
+  std::vector<std::string> lines_with(std::string_view needle) const {
+    std::vector<std::string> out;
+    std::string log = router_->log();
+    std::size_t at = 0;
+    while (at < log.size()) {
+      std::size_t nl = log.find('\n', at);
+      if (nl == std::string::npos) nl = log.size();
+      std::string_view line(log.data() + at, nl - at);
+      if (line.find(needle) != std::string_view::npos) out.emplace_back(line);
+      at = nl + 1;
+    }
+    return out;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<RouterProcess> router_;
+  std::unique_ptr<Connection> good_;
+  std::uint32_t id_ = 0;
+};
+
+// Writes `chunk` over and over without blocking until the socket stays full
+// for `stuck` (the router stopped reading) or `total` has passed. Returns the
+// bytes written.
+std::size_t flood(RawPeer& p, const std::string& chunk, std::chrono::milliseconds stuck,
+                  std::chrono::milliseconds total) {
+  int flags = ::fcntl(p.fd, F_GETFL);
+  EXPECT_EQ(::fcntl(p.fd, F_SETFL, flags | O_NONBLOCK), 0);
+  std::size_t written = 0, off = 0;
+  auto end = std::chrono::steady_clock::now() + total;
+  auto last_progress = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() < end) {
+    ssize_t n = ::send(p.fd, chunk.data() + off, chunk.size() - off, MSG_NOSIGNAL);
+    if (n > 0) {
+      written += static_cast<std::size_t>(n);
+      off = (off + static_cast<std::size_t>(n)) % chunk.size();
+      last_progress = std::chrono::steady_clock::now();
+      continue;
+    }
+    if (n < 0 && errno != EAGAIN && errno != EINTR) break;  // disconnected
+    if (std::chrono::steady_clock::now() - last_progress > stuck) break;
+    pollfd pf{p.fd, POLLOUT, 0};
+    ::poll(&pf, 1, 10);
+  }
+  ::fcntl(p.fd, F_SETFL, flags);
+  return written;
+}
+
+// §1: a client that sends tiny frames wanting replies to a context that does
+// not exist, and never reads: the dead replies queued for it are charged to
+// it. The router stops reading it at its limit, disconnects it when it still
+// takes nothing, and says so in one line, not one per reply.
+TEST_F(Hardening, DeadReplyFloodAtANonReaderIsChargedBoundedAndLoggedOnce) {
+  start({"--peer-memory-limit", "8M", "--stall-timeout", "2s"});
+  const long before = rss_kib();
+  RawPeer p = raw_client();
+  std::string burst;
+  for (int i = 0; i < 4096; ++i) burst += frame_bytes(frame(999999, id_, id_, kEcho, 7), "");
+  std::size_t written = flood(p, burst, 1s, 20s);
+  const long peak = rss_kib();
+  std::printf("flooded %zu bytes (%zu frames); router VmRSS %ld -> %ld KiB\n", written,
+              written / kHeaderSize, before, peak);
+  EXPECT_GT(written / kHeaderSize, 100000u) << "the flood was too small to prove anything";
+  // 8 MiB limit: the router holds at most that much for this peer, plus what
+  // its own socket buffers and allocator keep. Before the fix: +100 MiB per 500k frames.
+  EXPECT_LT(peak - before, 40 * 1024) << "a non-reader's dead replies grew the router by "
+                                      << (peak - before) << " KiB";
+  EXPECT_TRUE(logged("closed with")) << router_->log();
+  auto summary = lines_with("closed with");
+  ASSERT_EQ(summary.size(), 1u);
+  EXPECT_NE(summary[0].find("dead replies"), std::string::npos) << summary[0];
+  EXPECT_LT(lines_with("999999").size(), 10u) << "one log line per dropped dead reply";
+  expect_served("a dead-reply flood");
+}
+
+// §1: a peer that never reads its queue. Another client's messages to it are
+// refused once its queue is full; the router's memory stays near the limit
+// (before the fix: "output queue full" came at +525 MiB of RSS for 64 MiB).
+TEST_F(Hardening, QueuedFramesAreChargedAtWhatTheyCostNotTheirPayload) {
+  start({"--high-water-mark", "4M", "--peer-memory-limit", "8M"});
+  RawPeer sink = raw_client();
+  const std::uint32_t sink_id = id_;
+  const long before = rss_kib();
+  RawPeer src = raw_client();
+  std::string burst;
+  for (int i = 0; i < 4096; ++i) burst += frame_bytes(frame(sink_id, id_, id_, kEcho, 0), "12345678");
+  flood(src, burst, 1s, 3s);
+  const long peak = rss_kib();
+  std::printf("router VmRSS %ld -> %ld KiB\n", before, peak);
+  EXPECT_LT(peak - before, 48 * 1024) << "small queued frames cost more than they were charged";
+  EXPECT_TRUE(logged(reason::kQueueFull) || logged("refusal")) << router_->log();
+  expect_served("a full queue");
+}
+
+// A sealed, sparse memfd of `size` bytes (nothing in it is ever touched).
+UniqueFd sparse_memfd(std::size_t size) {
+  UniqueFd fd(::memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  EXPECT_GE(fd.get(), 0);
+  EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(size)), 0);
+  EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL), 0);
+  return fd;
+}
+
+std::vector<std::uint8_t> memfd_frame(std::uint32_t dst, std::uint32_t src, std::uint32_t handle,
+                                      std::uint32_t reply_to, std::uint16_t body_enc = kEncRaw) {
+  Header h = frame(dst, src, src, handle, reply_to, kEncFds);
+  h.length = kFdPrefixSize;
+  HeaderBytes hb = encode_header(h);
+  auto prefix = encode_fd_prefix(FdPrefix{body_enc, 1, kFdFlagMemfdBody});
+  std::vector<std::uint8_t> v(hb.begin(), hb.end());
+  v.insert(v.end(), prefix.begin(), prefix.end());
+  return v;
+}
+
+// §1: a memfd body for the router itself is mapped only once its handler is
+// known: sparse 100 MiB bodies to an unknown handle and to ping cost the router
+// no memory (before the fix each was mapped with MAP_POPULATE first).
+TEST_F(Hardening, MemfdBodyToAnUnknownHandleIsNeverMapped) {
+  start();
+  RawPeer p = raw_client(kFlagFdPassing);
+  const long before = rss_kib();
+  for (std::uint32_t i = 0; i < 8; ++i) {
+    UniqueFd body = sparse_memfd(100u << 20);
+    int raw = body.get();
+    ASSERT_TRUE(send_with_fds(p.fd, memfd_frame(0, id_, 4000 + i, 50 + i), std::span<const int>(&raw, 1)));
+    Message d;
+    ASSERT_TRUE(p.read_frame_for(id_, 50 + i, d, 20s));
+    EXPECT_TRUE(d.header.is_dead());
+  }
+  const long after = rss_kib();
+  std::printf("router VmRSS %ld -> %ld KiB after 8 sparse 100 MiB memfds\n", before, after);
+  EXPECT_LT(after - before, 32 * 1024) << "memfd bodies to unknown handles were faulted in";
+  expect_served("memfds to unknown handles");
+}
+
+// §1: a sparse memfd forwarded to a peer that cannot take fds (a Mitogen
+// client) is streamed to it in bounded windows: while that peer reads
+// nothing, the router holds a window, not the body.
+TEST_F(Hardening, SparseMemfdToAnFdlessPeerIsStreamedInBoundedPieces) {
+  start({"--max-message-size", "128M"});
+  RawPeer mito = RawPeer::connect_to(address());
+  const std::uint32_t mito_id = mito.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
+  RawPeer p = raw_client(kFlagFdPassing);
+  const long before = rss_kib();
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    UniqueFd body = sparse_memfd(120u << 20);
+    int raw = body.get();
+    ASSERT_TRUE(send_with_fds(p.fd, memfd_frame(mito_id, id_, 4321, 0, kEncMitogen), std::span<const int>(&raw, 1)));
+  }
+  // Give the router time to (wrongly) map and queue everything, then measure.
+  ASSERT_TRUE(eventually([&] { return router_counts(socket()).clients >= 3; }, 10s));
+  expect_served("four sparse 120 MiB memfds for an fd-less peer");
+  const long held = rss_kib();
+  std::printf("router VmRSS %ld -> %ld KiB with 480 MiB of memfd bodies queued\n", before, held);
+  EXPECT_LT(held - before, 48 * 1024) << "the bodies were faulted in instead of streamed";
+  // The peer then reads the first body whole, inline, all zeros.
+  Message m;
+  ASSERT_TRUE(mito.read_frame_for(mito_id, 4321, m, 60s));
+  ASSERT_EQ(m.data.size(), 120u << 20) << m.text();
+  auto c = m.data.contiguous();
+  EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](std::uint8_t b) { return b == 0; }));
+}
+
+// §2: bytes a client supplies never start a log line of their own.
+TEST_F(Hardening, ClientBytesAreEscapedSoOneRecordIsOneLine) {
+  start({"--accept-client-logs"});
+  RawPeer p = raw_client();
+  const std::string forged = "\n2030-01-01T00:00:00.000Z ctx=0(spindle-router) [critical] FORGED-LINE";
+  p.send_frame(frame(0, id_, id_, kHandleAddRoute, 0, kEncMitogen), "notanid" + forged);
+  p.send_frame(frame(0, id_, id_, kHandleDelRoute, 0, kEncMitogen), "x" + forged);
+  p.send_frame(frame(0, id_, id_, kHandleForwardLog, 0, kEncMitogen),
+               std::string("evil\0" "20\0" "hello", 13) + forged + "\x1b[2J");
+  ASSERT_TRUE(logged("hello"));
+  ASSERT_TRUE(logged("notanid")) << router_->log();
+  for (std::string_view needle : {"notanid", "FORGED-LINE"}) {
+    auto lines = lines_with(needle);
+    ASSERT_FALSE(lines.empty()) << needle << "\n" << router_->log();
+    EXPECT_NE(lines[0].find("\\n2030-01-01"), std::string::npos) << "not escaped: " << lines[0];
+  }
+  for (const std::string& line : lines_with("2030-01-01")) {
+    EXPECT_EQ(line.rfind("2030-01-01", 0), std::string::npos) << "a forged line: " << line;
+    EXPECT_NE(line.find("\\n2030-01-01"), std::string::npos) << "not escaped: " << line;
+  }
+  EXPECT_EQ(router_->log().find('\x1b'), std::string::npos) << "an escape sequence reached the log";
+  // The forwarded line names the context it came from.
+  auto hello = lines_with("hello");
+  ASSERT_FALSE(hello.empty());
+  EXPECT_NE(hello[0].find(fmt::format("ctx={}", id_)), std::string::npos) << hello[0];
+  expect_served("forged log lines");
+}
+
+// §2: FORWARD_LOG from a router client is refused unless the router allows it.
+TEST_F(Hardening, ForwardLogFromAClientIsRefusedByDefault) {
+  start();
+  RawPeer p = raw_client();
+  p.send_frame(frame(0, id_, id_, kHandleForwardLog, 0, kEncMitogen),
+               std::string("evil\0" "20\0" "SHOULD-NOT-APPEAR", 25));
+  EXPECT_TRUE(logged("FORWARD_LOG")) << router_->log();
+  expect_served("a refused FORWARD_LOG");
+  EXPECT_TRUE(lines_with("SHOULD-NOT-APPEAR").empty()) << router_->log();
+}
+
+// §2: a peer allowed to log is rate-limited, and told so in one line.
+TEST_F(Hardening, ForwardLogFloodIsRateLimited) {
+  start({"--accept-client-logs"});
+  RawPeer p = raw_client();
+  std::string burst;
+  for (int i = 0; i < 50000; ++i)
+    burst += frame_bytes(frame(0, id_, id_, kHandleForwardLog, 0, kEncMitogen),
+                         std::string("flood\0" "20\0", 9) + fmt::format("LINE-{}", i));
+  p.write_all(burst);
+  expect_served("a log flood");
+  // One more line after the burst makes the router report what it suppressed.
+  ASSERT_TRUE(eventually(
+      [&] {
+        p.send_frame(frame(0, id_, id_, kHandleForwardLog, 0, kEncMitogen),
+                     std::string("flood\0" "20\0" "LATE", 13));
+        return !lines_with("suppressed").empty();
+      },
+      20s))
+      << router_->log();
+  const std::size_t written = lines_with("LINE-").size();
+  std::printf("%zu of 50000 flooded lines were logged\n", written);
+  EXPECT_LT(written, 1000u);
+}
+
+// §3: an id handed out by ALLOCATE_ID belongs to the link that asked for it:
+// another client cannot announce it, before or after its owner does.
+TEST_F(Hardening, AnAllocatedIdCannotBeAnnouncedByAnotherClient) {
+  start();
+  RawPeer owner = raw_client();
+  const std::uint32_t owner_id = id_;
+  RawPeer thief = raw_client();
+  const std::uint32_t thief_id = id_;
+  owner.send_frame(frame(0, owner_id, owner_id, kHandleAllocateId, 77, kEncMitogen), "");
+  Message granted;
+  ASSERT_TRUE(owner.read_frame_for(owner_id, 77, granted, 20s));
+  const std::uint32_t x = static_cast<std::uint32_t>(std::stoul(granted.text()));
+  // Before the owner announces it, and again after.
+  thief.send_frame(frame(0, thief_id, thief_id, kHandleAddRoute, 0, kEncMitogen), std::to_string(x));
+  EXPECT_TRUE(logged(reason::kNotYourId)) << router_->log();
+  owner.send_frame(frame(0, owner_id, owner_id, kHandleAddRoute, 0, kEncMitogen), std::to_string(x));
+  thief.send_frame(frame(0, thief_id, thief_id, kHandleAddRoute, 0, kEncMitogen), std::to_string(x));
+  // Traffic for x reaches its owner, never the thief.
+  ASSERT_TRUE(eventually([&] {
+    good_->router().send(Message::make(x, 4242, Payload::copy_of("for x")));
+    Message m;
+    return owner.read_frame_for(x, 4242, m, 200ms) && m.text() == "for x";
+  }, 20s));
+  Message stray;
+  EXPECT_FALSE(thief.read_frame_for(x, 4242, stray, 300ms)) << "the thief received x's traffic";
+  expect_served("an id claimed by another client");
+}
+
+// §3: the id of a client that has left is not up for grabs.
+TEST_F(Hardening, ADepartedClientsIdCannotBeClaimed) {
+  start();
+  std::uint32_t departed = 0;
+  {
+    auto gone = connect(socket());
+    departed = gone->id();
+  }
+  ASSERT_TRUE(eventually([&] { return router_counts(socket()).clients == 2; }, 20s));  // good + the probe
+  RawPeer thief = raw_client();
+  thief.send_frame(frame(0, id_, id_, kHandleAddRoute, 0, kEncMitogen), std::to_string(departed));
+  EXPECT_TRUE(logged(reason::kNotYourId)) << router_->log();
+  thief.send_frame(frame(departed, id_, id_, kEcho, 91), "anyone?");
+  Message d;
+  ASSERT_TRUE(thief.read_frame_for(id_, 91, d, 20s));
+  EXPECT_EQ(d.text(), fmt::format("{}: {}", reason::kNoRoute, departed));
+  EXPECT_EQ(d.header.src_id, departed) << "the router answers on the unreachable context's behalf";
+  expect_served("a claim on a departed client's id");
+}
+
+// §3: a third client spraying dead messages over another client's reply
+// handles cannot fail its pending call: replies are accepted only from the
+// callee (or from the router on its behalf), and a forged src_id is refused
+// by the reverse-path check.
+TEST_F(Hardening, ForgedDeadRepliesCannotFailAnotherClientsCall) {
+  start();
+  auto callee = connect(socket());
+  std::promise<Message> held;
+  Router& cr = callee->router();
+  cr.add_handler([&](Message&& m) { held.set_value(std::move(m)); }, {}, kEcho);
+  auto call = std::async(std::launch::async, [&] {
+    return good_->context(callee->id()).call(kEcho, "real question", 30s);
+  });
+  auto pending = held.get_future();
+  ASSERT_EQ(pending.wait_for(20s), std::future_status::ready);
+  Message question = pending.get();
+  const std::uint32_t victim_handle = question.header.reply_to;
+  ASSERT_TRUE(is_call_handle(victim_handle));
+  RawPeer attacker = raw_client();
+  std::string spray;
+  for (std::uint32_t gen = 0; gen < 2048; ++gen)
+    for (std::uint32_t idx = 0; idx < 4; ++idx) {
+      Header h = frame(good_->id(), id_, id_, kCallHandleBit | gen << 20 | idx, kHandleIsDead);
+      spray += frame_bytes(h, reason::kPeerDisconnected);
+    }
+  // And with the callee's id as src_id: the reverse-path check refuses these.
+  for (std::uint32_t idx = 0; idx < 4; ++idx) {
+    Header h = frame(good_->id(), callee->id(), callee->id(), victim_handle, kHandleIsDead);
+    spray += frame_bytes(h, reason::kPeerDisconnected);
+  }
+  attacker.write_all(spray);
+  EXPECT_TRUE(logged(reason::kReversePath)) << router_->log();
+  // Make sure the spray has been through the router before the real answer.
+  attacker.send_frame(frame(0, id_, id_, 4999, 55), "");
+  Message marker;
+  ASSERT_TRUE(attacker.read_frame_for(id_, 55, marker, 20s));
+  ASSERT_EQ(call.wait_for(0s), std::future_status::timeout) << "a forged dead reply completed the call";
+  cr.reply(question, Payload::copy_of("real answer"));
+  EXPECT_EQ(call.get(), "real answer");
+  expect_served("forged dead replies");
+}
+
+}  // namespace
+}  // namespace spindle

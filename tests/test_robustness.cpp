@@ -1,0 +1,227 @@
+// Issue #11 §3 (clients check the server) and §4 (broker and pool
+// robustness), in process: real sockets, real children, real fork().
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <future>
+#include <string>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "broker/broker.h"
+#include "broker/errors.h"
+#include "broker/process.h"
+#include "router/child.h"
+#include "router/router.h"
+#include "router/unix_address.h"
+#include "stream/memfd.h"
+#include "tests/fds_test_util.h"
+#include "tests/process_util.h"
+#include "tests/router_test_util.h"
+
+namespace spindle {
+namespace {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+// A listening UNIX socket that never accepts.
+int listen_on(const UnixAddress& a, int backlog) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un sa{};
+  socklen_t len = a.to_sockaddr(sa);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), len), 0) << errno_text(errno);
+  EXPECT_EQ(::listen(fd, backlog), 0);
+  return fd;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// §3: a socket in a directory others can write to may have been put there by
+// anyone: connect() refuses it, and says why.
+TEST(ConnectChecks, RefusesASocketInADirectoryOthersCanWrite) {
+  TempDir dir;
+  std::string open_dir = dir.path() + "/open";
+  ASSERT_EQ(::mkdir(open_dir.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(open_dir.c_str(), 0777), 0);
+  auto addr = UnixAddress::parse(open_dir + "/router.sock");
+  int l = listen_on(addr, 8);
+  std::string why = error_of([&] { ::close(connect_unix(addr)); });
+  EXPECT_NE(why.find("mode 0777"), std::string::npos) << why;
+  // The same socket in a private directory is fine.
+  ASSERT_EQ(::chmod(open_dir.c_str(), 0700), 0);
+  EXPECT_EQ(error_of([&] { ::close(connect_unix(addr)); }), "no error");
+  ::close(l);
+}
+
+// §3: the process listening must run as this user or as root.
+TEST(ConnectChecks, RefusesARouterOfAnotherUid) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to listen as another uid";
+  auto addr = UnixAddress::parse(fmt::format("@spindle-test-squat-{}", ::getpid()));
+  int ready[2];
+  ASSERT_EQ(::pipe2(ready, O_CLOEXEC), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    int l = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    socklen_t len = addr.to_sockaddr(sa);
+    if (::bind(l, reinterpret_cast<sockaddr*>(&sa), len) != 0 || ::listen(l, 8) != 0) ::_exit(4);
+    char c = 'r';
+    if (::write(ready[1], &c, 1) != 1) ::_exit(5);
+    ::pause();
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ::close(ready[0]);
+  std::string why = error_of([&] { ::close(connect_unix(addr)); });
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  EXPECT_NE(why.find("runs as uid 65534"), std::string::npos) << why;
+}
+
+// §3: connect() gives up at its timeout when the router does not accept.
+TEST(ConnectChecks, TimesOutWhenTheRouterNeverAccepts) {
+  auto addr = UnixAddress::parse(fmt::format("@spindle-test-stuck-{}", ::getpid()));
+  int l = listen_on(addr, 0);
+  std::vector<int> queued;
+  std::string why;
+  for (int i = 0; i < 8 && why.empty(); ++i) {
+    try {
+      queued.push_back(connect_unix(addr, 300ms));
+    } catch (const Error& e) {
+      why = e.what();
+    }
+  }
+  for (int fd : queued) ::close(fd);
+  ::close(l);
+  EXPECT_NE(why.find("no answer within 300 ms"), std::string::npos) << why;
+}
+
+// §4: ~Broker reaps the children it watches and cancels its timers.
+TEST(BrokerEnd, DestructorReapsWatchedChildrenAndCancelsTimers) {
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  ASSERT_GE(pidfd, 0) << errno_text(errno);
+  std::atomic<bool> fired{false};
+  {
+    Broker::Options o;
+    o.shutdown_grace = 200ms;
+    Broker broker(o);
+    broker.watch_child(std::make_shared<ChildProcess>(pid, pidfd), [](int) {});
+    broker.call_later(1h, [&] { fired = true; });
+  }
+  errno = 0;
+  EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1) << "the child was left a zombie (or running)";
+  EXPECT_EQ(errno, ECHILD);
+  EXPECT_FALSE(fired.load());
+}
+
+// §4: a handler that throws something that is not a std::exception gets its
+// caller an error reply, and the stream it came on keeps flushing.
+TEST(HandlerFailures, NonStdExceptionBecomesAnErrorReplyAndTheStreamGoesOn) {
+  constexpr std::uint32_t kThrower = 2050;
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, [](ChildEnv& env) {
+    int calls = 0;
+    Router& r = env.router();
+    r.add_handler(
+        [&](Message&& m) {
+          if (++calls % 2 == 1) throw 42;
+          r.reply(m, Payload::copy_of("fine"));
+        },
+        {}, kThrower);
+    env.serve();
+    return 0;
+  }, named("thrower"));
+  for (int round = 0; round < 3; ++round) {
+    std::string why;
+    try {
+      c.call(kThrower, "x", 10s);
+    } catch (const CallError& e) {
+      why = e.what();
+    }
+    EXPECT_NE(why.find("not a std::exception"), std::string::npos) << why;
+    EXPECT_EQ(c.call(kThrower, "y", 10s), "fine");
+  }
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+// §4: a context sending to itself from the broker thread, message after
+// message, runs each handler from the queue, not nested inside the last.
+TEST(HandlerFailures, SelfSendsFromTheBrokerThreadDoNotRecurse) {
+  Broker broker;
+  Router router(broker);
+  constexpr std::uint32_t kSelf = 2051;
+  constexpr int kHops = 200000;
+  std::promise<int> done;
+  std::atomic<int> max_depth{0};
+  thread_local int depth = 0;
+  router.add_handler(
+      [&](Message&& m) {
+        ++depth;
+        max_depth = std::max(max_depth.load(), depth);
+        int n = std::stoi(m.text());
+        if (n == kHops) done.set_value(n);
+        else router.send(Message::make(router.id(), kSelf, Payload::copy_of(std::to_string(n + 1))));
+        --depth;
+      },
+      {}, kSelf);
+  router.send(Message::make(router.id(), kSelf, Payload::copy_of("0")));
+  auto f = done.get_future();
+  ASSERT_EQ(f.wait_for(60s), std::future_status::ready);
+  EXPECT_EQ(f.get(), kHops);
+  EXPECT_EQ(max_depth.load(), 1);
+}
+
+// §4: a memfd body too large for the frame's 32-bit length field, for a peer
+// that cannot take fds (so it would go inline): refused with the reason, not
+// sent with a wrapped length.
+TEST(HandlerFailures, BodyOverTheLengthFieldIsRefusedNotWrapped) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context echo = spawn_echo_on_pipes(router, "pipes");
+  UniqueFd fd(::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_GE(fd.get(), 0);
+  ASSERT_EQ(::ftruncate(fd.get(), off_t{5} << 30), 0);  // sparse: costs nothing
+  ASSERT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE), 0);
+  std::string error;
+  Message m = Message::make(echo.id(), 3000, {});
+  m.sealed_body = SealedMemfd::adopt(std::move(fd), error);
+  ASSERT_TRUE(m.sealed_body) << error;
+  std::string why;
+  try {
+    router.request(std::move(m), 20s).get();
+  } catch (const Error& e) {
+    why = e.what();
+  }
+  EXPECT_NE(why.find("message too large"), std::string::npos) << why;
+  EXPECT_EQ(echo.call(3000, "still there?", 20s), "still there?");
+}
+
+}  // namespace
+}  // namespace spindle
