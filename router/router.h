@@ -167,7 +167,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void request(Message msg, std::chrono::milliseconds timeout, CallTable::Completion done);
   // The same, blocking: returns the reply or throws. Not on the broker thread.
   Message call(Message msg, std::chrono::milliseconds timeout);
-  // Replies to a message that arrived here.
+  // Replies to a message that arrived here (as post_reply(): never waits).
   void reply(const Message& request, Payload data, std::uint16_t enc = kEncRaw);
   // Calls fn(reason) once when `context_id` disconnects (or is unreachable).
   void on_disconnect(std::uint32_t context_id, std::function<void(const std::string&)> fn);

@@ -87,7 +87,7 @@ void Router::post_reply(Message msg) {
 
 void Router::reply(const Message& req, Payload data, std::uint16_t enc) {
   if (req.header.reply_to == 0 || req.is_dead()) return;
-  send(Message::reply_to(req, std::move(data), enc));
+  post_reply(Message::reply_to(req, std::move(data), enc));
 }
 
 // Any thread. `bytes` (the caller's, copied) or `msg` (moved from) is the body.

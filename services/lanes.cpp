@@ -55,6 +55,7 @@ std::optional<LaneSet::Taken> LaneSet::next_locked() {
   lane->in_ring_ = false;
   Taken t{lane, std::move(lane->queue_.front())};
   lane->queue_.pop_front();
+  lane->queued_bytes_ -= std::min(lane->queued_bytes_, t.msg.data.size());
   if (lane->serialized()) lane->running_ = true;
   enter_ring_locked(*lane);  // back at the tail, if it has more and may run
   ++stats_.running;
@@ -85,11 +86,17 @@ void LaneSet::hand_out_locked(WakeList& wake) {
   }
 }
 
-bool LaneSet::push(Lane& lane, Message& m) {
+LaneSet::Push LaneSet::push(Lane& lane, Message& m) {
   WakeList wake;
   {
     std::lock_guard lk(mu_);
-    if (draining_ || closed_ || lane.retired_) return false;
+    if (draining_ || closed_ || lane.retired_) return Push::kClosed;
+    const std::size_t size = m.data.size();
+    if (lane.queue_.size() >= lane.opts_.max_messages || lane.queued_bytes_ + size > lane.opts_.max_bytes) {
+      ++stats_.refused_full;
+      return Push::kFull;
+    }
+    lane.queued_bytes_ += size;
     lane.queue_.push_back(std::move(m));
     ++stats_.pushed;
     ++stats_.queued;
@@ -97,7 +104,7 @@ bool LaneSet::push(Lane& lane, Message& m) {
     hand_out_locked(wake);
   }
   wake_all(wake);
-  return true;
+  return Push::kQueued;
 }
 
 std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
@@ -176,6 +183,7 @@ std::vector<Message> LaneSet::retire(Lane& lane) {
                             std::make_move_iterator(lane.queue_.end()));
   stats_.queued -= left.size();
   lane.queue_.clear();
+  lane.queued_bytes_ = 0;
   return left;
 }
 
@@ -188,6 +196,7 @@ std::vector<LaneSet::Taken> LaneSet::close() {
     for (auto& l : lanes_) {
       for (Message& m : l->queue_) left.push_back(Taken{l.get(), std::move(m)});
       l->queue_.clear();
+      l->queued_bytes_ = 0;
       l->in_ring_ = false;
     }
     ring_.clear();

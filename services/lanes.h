@@ -44,15 +44,25 @@
 
 namespace spindle::services {
 
+// What one lane may hold queued: past either bound a push is refused (the
+// sender gets a dead reply saying so), so the work a peer queues for a
+// service or a receiver is bounded however fast it sends.
+inline constexpr std::size_t kDefaultLaneMaxMessages = 65536;
+inline constexpr std::size_t kDefaultLaneMaxBytes = 64u << 20;
+
 struct LaneOptions {
   std::string name;
   bool serialized = false;  // one message at a time, in arrival order
+  std::size_t max_messages = kDefaultLaneMaxMessages;
+  std::size_t max_bytes = kDefaultLaneMaxBytes;
 };
 
 class Lane {
  public:
   const std::string& name() const { return opts_.name; }
   bool serialized() const { return opts_.serialized; }
+  std::size_t max_messages() const { return opts_.max_messages; }
+  std::size_t max_bytes() const { return opts_.max_bytes; }
   void* owner = nullptr;  // the Pool's or Select's per-lane record
 
  private:
@@ -60,6 +70,7 @@ class Lane {
   explicit Lane(LaneOptions o) : opts_(std::move(o)) {}
   LaneOptions opts_;
   std::deque<Message> queue_;  // guarded by the set's mutex
+  std::size_t queued_bytes_ = 0;  // payload bytes in queue_, likewise
   bool in_ring_ = false;
   bool running_ = false;       // serialized lanes: one of its messages runs
   bool retired_ = false;       // refuses new messages
@@ -73,6 +84,7 @@ struct LaneStats {
   std::size_t queued = 0;       // messages waiting now
   std::size_t running = 0;      // messages taken and not yet done()
   std::size_t idle = 0;         // threads asleep in take()
+  std::uint64_t refused_full = 0;  // pushes refused: the lane held its maximum
 };
 
 class LaneSet {
@@ -89,9 +101,11 @@ class LaneSet {
   LaneSet& operator=(const LaneSet&) = delete;
 
   Lane& add_lane(LaneOptions opts);
+  enum class Push { kQueued, kClosed, kFull };
   // Queues `m` on `lane`, handing it to an idle thread if the lane may run.
-  // Returns false (and leaves `m` untouched) once draining or closed.
-  bool push(Lane& lane, Message& m);
+  // Leaves `m` untouched unless kQueued: kClosed once draining or closed,
+  // kFull when the lane holds its maximum (LaneOptions).
+  Push push(Lane& lane, Message& m);
   // Waits for a message until `deadline`. Empty on timeout, or when draining
   // with nothing left, or closed. Every message taken must be done() after.
   std::optional<Taken> take(Clock::time_point deadline);

@@ -70,8 +70,16 @@ Lane& Pool::add_lane(LaneOptions opts, Job run, Reject reject) {
 }
 
 void Pool::submit(Lane& lane, Message&& m) {
-  if (lanes_.push(lane, m)) return;
-  static_cast<LaneJob*>(lane.owner)->reject(std::move(m), reason::kShuttingDown);
+  switch (lanes_.push(lane, m)) {
+    case LaneSet::Push::kQueued: return;
+    case LaneSet::Push::kClosed:
+      return static_cast<LaneJob*>(lane.owner)->reject(std::move(m), reason::kShuttingDown);
+    case LaneSet::Push::kFull:
+      return static_cast<LaneJob*>(lane.owner)->reject(
+          std::move(m), fmt::format("{}: lane {} holds {} messages at most and {} bytes (pool {})",
+                                    reason::kQueueFull, lane.name(), lane.max_messages(),
+                                    lane.max_bytes(), opts_.name));
+  }
 }
 
 std::uint32_t Pool::add_handler(Router& router, HandlerFn fn, LaneOptions lane_opts,
@@ -136,6 +144,8 @@ void Pool::worker_exited() {
       fn();
     } catch (const std::exception& e) {
       log().error("pool {}: on_stopped callback threw: {}", opts_.name, e.what());
+    } catch (...) {
+      log().error("pool {}: on_stopped callback threw a non-std exception", opts_.name);
     }
   }
   {

@@ -1,7 +1,8 @@
-// The answer is built once per request header and sent with Router::send(),
-// which may wait while the caller's queue is full: a reply is never dropped
-// for back-pressure. Dead replies use route() instead, which never waits, so
-// the broker thread may send them; they are small and a full queue is logged.
+// The answer is built once per request header and sent with
+// Router::post_reply(), which never waits: the caller asked for it, so it is
+// charged to the caller's queue however full, and a caller that stops reading
+// is paused and then disconnected by its own account's limits, never by
+// blocking a worker. Dead replies use route(), which never waits either.
 #include "services/reply.h"
 
 #include <cxxabi.h>
@@ -59,7 +60,10 @@ ReplyState::~ReplyState() {
 
 bool ReplyState::join(const Message& request) {
   std::lock_guard lk(mu_);
-  if (answered_) return false;
+  // Joined callers wait outside any lane, so their number is bounded here: a
+  // caller over it starts a computation of its own (on a worker, so bounded
+  // by the lane and the pool instead).
+  if (answered_ || requests_.size() >= kMaxJoined) return false;
   requests_.push_back(request.header);
   return true;
 }
@@ -96,8 +100,8 @@ bool ReplyState::answer(Kind kind, Payload data, std::string_view type, std::str
     if (!Message::wants_dead_reply(req)) continue;
     try {
       switch (kind) {
-        case Kind::kResult: router_.send(Message::reply_to(req, data)); break;
-        case Kind::kCallError: router_.send(Message::call_error(req, type, text)); break;
+        case Kind::kResult: router_.post_reply(Message::reply_to(req, data)); break;
+        case Kind::kCallError: router_.post_reply(Message::call_error(req, type, text)); break;
         case Kind::kDead: send_dead_reply(router_, req, text); break;
       }
     } catch (const std::exception& e) {

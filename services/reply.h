@@ -62,6 +62,9 @@ class ReplyState {
 
   // Adds an identical request to be answered with the same result; false if
   // the answer has already gone (the caller must compute its own).
+  // Adds a caller to this pending answer; false once answered or when
+  // kMaxJoined callers already wait on it.
+  static constexpr std::size_t kMaxJoined = 4096;
   bool join(const Message& request);
   // Runs once, after the answer has gone (the dedup table forgets the key).
   void on_answered(std::function<void()> fn);

@@ -35,7 +35,14 @@ Receiver::Receiver(Router& router, Select& select, std::uint32_t handle, Handler
   lane_.owner = this;
   handle_ = router_.add_handler(
       [this](Message&& m) {
-        if (!select_.lanes_.push(lane_, m)) send_dead_reply(router_, m, reason::kSelectClosed);
+        switch (select_.lanes_.push(lane_, m)) {
+          case LaneSet::Push::kQueued: break;
+          case LaneSet::Push::kClosed: send_dead_reply(router_, m, reason::kSelectClosed); break;
+          case LaneSet::Push::kFull:
+            send_dead_reply(router_, m, fmt::format("{}: receiver on handle {} holds {} messages at most",
+                                                    reason::kQueueFull, handle_, lane_.max_messages()));
+            break;
+        }
       },
       std::move(opts), handle);
   if (handle_ == 0) throw Error(fmt::format("receiver: handle {} is already taken", handle));

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "broker/errors.h"
+#include "services/lanes.h"
 #include "tests/process_util.h"
 #include "tests/services_test_util.h"
 
@@ -229,6 +230,39 @@ TEST(ServicesPool, DeduplicatedCallsShareOneComputation) {
   // Results are shared, not cached: a later identical call computes again.
   services::call_text(rig.self, "dedup", "slow", "x");
   EXPECT_EQ(computed.load(), 3);
+}
+
+// What a peer queues for a service or a receiver is bounded: past a lane's
+// maximum (messages or bytes) a push is refused, and the pool answers the
+// sender with "service queue full" (issue #11 §1).
+TEST(ServicesLanes, ALaneRefusesPastItsMaximum) {
+  services::LaneSet set;
+  services::LaneOptions o;
+  o.name = "small";
+  o.max_messages = 3;
+  o.max_bytes = 1000;
+  services::Lane& lane = set.add_lane(o);
+  auto msg = [](std::size_t n) { return Message::make(1, 2, Payload::copy_of(std::string(n, 'x'))); };
+  for (int i = 0; i < 3; ++i) {
+    Message m = msg(10);
+    EXPECT_EQ(set.push(lane, m), services::LaneSet::Push::kQueued);
+  }
+  Message over = msg(10);
+  EXPECT_EQ(set.push(lane, over), services::LaneSet::Push::kFull);
+  EXPECT_EQ(over.data.size(), 10u) << "a refused message is left to the caller";
+  auto t = set.take(std::chrono::steady_clock::now() + 1s);
+  ASSERT_TRUE(t);
+  set.done(*t->lane);
+  Message again = msg(10);
+  EXPECT_EQ(set.push(lane, again), services::LaneSet::Push::kQueued);
+  // The byte bound: 3 messages queued of 10 bytes; 990 more do not fit.
+  while (auto u = set.take(std::chrono::steady_clock::now())) set.done(*u->lane);
+  Message big = msg(990);
+  EXPECT_EQ(set.push(lane, big), services::LaneSet::Push::kQueued);
+  Message more = msg(11);
+  EXPECT_EQ(set.push(lane, more), services::LaneSet::Push::kFull);
+  EXPECT_EQ(set.stats().refused_full, 2u);
+  set.close();
 }
 
 }  // namespace
