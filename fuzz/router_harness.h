@@ -42,7 +42,9 @@ inline constexpr std::uint32_t kMaxMessage = 4096;  // small, so "too large" is 
 
 class RouterHarness {
  public:
-  RouterHarness() {
+  // `fuzzed_flags`: the fuzzed peer's hello flags (kFlagFdPassing for a peer
+  // that sends fds; the sibling never takes fds).
+  explicit RouterHarness(std::uint16_t fuzzed_flags = kFlagNone) {
     static const bool quiet = [] {
       log().set_level(spdlog::level::off);  // millions of warnings help nobody
       return true;
@@ -61,7 +63,7 @@ class RouterHarness {
     if (!testutil::attach_raw(r, fuzzed_, kFuzzedId, "fuzzed") ||
         !testutil::attach_raw(r, sibling_, kSiblingId, "sibling"))
       fail("cannot attach the peers");
-    if (fuzzed_.handshake() != kFuzzedId || sibling_.handshake() != kSiblingId)
+    if (fuzzed_.handshake(fuzzed_flags) != kFuzzedId || sibling_.handshake() != kSiblingId)
       fail("handshake gave the wrong ids");
     pending_ = r.request(Message::make(kFuzzedId, kPeerHandle, Payload::copy_of("pending")),
                          std::chrono::seconds(60));
