@@ -10,7 +10,11 @@
 //   big     one 256 MiB message: throughput and the receiver's peak RSS, vs. a
 //           raw socketpair transfer into one buffer and a memcpy.
 //
-// Usage: bench_core [--quick] [--section rtt|oneway|big]
+// Also: allocations per message (the counting operator new of
+// bench/alloc_count.h) on each side of the one-way run, in steady state.
+//
+// Usage: bench_core [--quick] [--section rtt|oneway|big] [--json PATH]
+// Rows (bench/report.h; names in bench/README.md) go to PATH as JSON.
 // Exits 0 whether or not the targets are met; non-zero only on real errors
 // (a wrong reply, a child that failed, a syscall that failed).
 #include <dirent.h>
@@ -43,6 +47,8 @@
 
 #include <fmt/format.h>
 
+#include "bench/alloc_count.h"
+#include "bench/report.h"
 #include "broker/errors.h"
 #include "broker/log.h"
 #include "router/child.h"
@@ -95,6 +101,12 @@ std::string loadavg() {
   std::string a, b, c;
   f >> a >> b >> c;
   return a + " " + b + " " + c;
+}
+
+// "same core" -> "same_core", for row names.
+std::string row_word(std::string s) {
+  std::replace(s.begin(), s.end(), ' ', '_');
+  return s;
 }
 
 double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -264,6 +276,7 @@ struct Row {
 std::vector<Row> g_rows;
 std::vector<std::string> g_notes;
 std::string g_load_start;
+spindle::bench::Report g_report("bench_core");
 
 void add_row(std::string what, std::string sp, std::string fl, std::string ratio,
              std::string target = {}, std::optional<bool> met = std::nullopt) {
@@ -463,6 +476,9 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
             fmt::format("<= {:.0f}x raw", kRttTargetRatio), ratio <= kRttTargetRatio);
     add_row(fmt::format("rtt 64 B {}, p99", k.label), fmt::format("{:.1f} us", s.p99),
             fmt::format("{:.1f} us", r.p99), fmt::format("{:.2f}x", s.p99 / r.p99));
+    const std::string name = "rtt_64B_" + row_word(k.label);
+    g_report.add(name, s.median, "us", r.median);
+    g_report.add(name + "_p99", s.p99, "us", r.p99);
     g_notes.push_back(fmt::format(
         "rtt {}: {} calls after {} warm-up; spindle cpus: parent main {} broker {}, child broker {}; "
         "raw cpus: parent {} child {}",
@@ -474,6 +490,8 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
         "raw parent {:.1f} us + child {:.1f} us",
         k.label, per(sp.parent_cpu_ns), per(sp.child_cpu_ns), per(raw.parent_cpu_ns),
         per(raw.child_cpu_ns)));
+    g_report.add(name + "_cpu_parent_us", per(sp.parent_cpu_ns), "us", per(raw.parent_cpu_ns));
+    g_report.add(name + "_cpu_child_us", per(sp.child_cpu_ns), "us", per(raw.child_cpu_ns));
   }
 }
 
@@ -483,7 +501,12 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
 struct OnewayRun {
   double seconds = 0, send_seconds = 0;
   std::uint64_t parent_cpu_ns = 0, child_cpu_ns = 0;  // during the timed run
+  // operator new calls per message from message steady_from() on (the
+  // first quarter warms the queues and pools up), all threads of each side.
+  double parent_allocs = 0, child_allocs = 0;
 };
+
+std::size_t steady_from(std::size_t n) { return n / 4; }
 
 OnewayRun spindle_oneway(const Config& cfg) {
   const std::size_t n = cfg.oneway_n;
@@ -496,15 +519,17 @@ OnewayRun spindle_oneway(const Config& cfg) {
   co.name = "oneway-counter";
   spindle::Context child = spindle::fork_child(
       router,
-      [](spindle::ChildEnv& env) {
+      [n](spindle::ChildEnv& env) {
         auto& r = env.router();
-        std::uint64_t count = 0, bytes = 0, cpu0 = 0;  // broker thread only
+        std::uint64_t count = 0, bytes = 0, cpu0 = 0, allocs0 = 0;  // broker thread only
         r.add_handler(
-            [&r, &count, &bytes, &cpu0](spindle::Message&& m) {
+            [&r, &count, &bytes, &cpu0, &allocs0, n](spindle::Message&& m) {
+              if (count == steady_from(n)) allocs0 = spindle::bench::allocations();
               ++count;
               bytes += m.data.size();
               if (m.header.reply_to != 0)
-                r.reply(m, Payload::copy_of(fmt::format("{} {} {}", count, bytes, cpu_ns() - cpu0)));
+                r.reply(m, Payload::copy_of(fmt::format("{} {} {} {}", count, bytes, cpu_ns() - cpu0,
+                                                        spindle::bench::allocations() - allocs0)));
             },
             {}, kCount);
         r.add_handler(
@@ -523,20 +548,27 @@ OnewayRun spindle_oneway(const Config& cfg) {
   std::memset(msg, 0x5a, sizeof msg);
   const std::span<const std::uint8_t> body(msg, kSmall);
   const std::uint64_t cpu0 = cpu_ns();
+  std::uint64_t allocs0 = 0;
   auto t0 = Clock::now();
-  for (std::size_t i = 0; i + 1 < n; ++i) child.send(kCount, Payload::copy_of(body));
+  for (std::size_t i = 0; i + 1 < n; ++i) {
+    if (i == steady_from(n)) allocs0 = spindle::bench::allocations();
+    child.send(kCount, Payload::copy_of(body));
+  }
   // The last one asks for a reply; the child answers it with its count.
   auto fut = child.call_async(kCount, Payload::copy_of(body), std::chrono::seconds(300));
   auto t_sent = Clock::now();
   std::string got = fut.get().text();
   auto t1 = Clock::now();
   run.parent_cpu_ns = cpu_ns() - cpu0;
-  unsigned long long cnt = 0, bytes = 0, child_cpu = 0;
-  if (std::sscanf(got.c_str(), "%llu %llu %llu", &cnt, &bytes, &child_cpu) != 3 || cnt != n ||
-      bytes != n * kSmall)
+  const double steady = static_cast<double>(n - steady_from(n));
+  run.parent_allocs = static_cast<double>(spindle::bench::allocations() - allocs0) / steady;
+  unsigned long long cnt = 0, bytes = 0, child_cpu = 0, child_allocs = 0;
+  if (std::sscanf(got.c_str(), "%llu %llu %llu %llu", &cnt, &bytes, &child_cpu, &child_allocs) != 4 ||
+      cnt != n || bytes != n * kSmall)
     throw std::runtime_error(fmt::format("oneway: child counted '{}', want {} messages, {} bytes", got,
                                          n, n * kSmall));
   run.child_cpu_ns = child_cpu;
+  run.child_allocs = static_cast<double>(child_allocs) / steady;
   run.seconds = secs(t1 - t0);
   run.send_seconds = secs(t_sent - t0);
   stop_child(child);
@@ -635,6 +667,27 @@ void section_oneway(const Config& cfg) {
       "one-way CPU per message (user+sys, all threads): spindle parent {:.0f} ns + child {:.0f} ns; "
       "raw writer {:.0f} ns + reader {:.0f} ns",
       per(sp.parent_cpu_ns), per(sp.child_cpu_ns), per(raw.parent_cpu_ns), per(raw.child_cpu_ns)));
+  g_notes.push_back(fmt::format(
+      "one-way allocations (operator new, all threads) per message after the first {}: "
+      "sender {:.2f} (incl. the bench's Payload::copy_of), receiver {:.2f}",
+      steady_from(cfg.oneway_n), sp.parent_allocs, sp.child_allocs));
+  g_report.add("oneway_64B", sp_rate, "msgs/s", raw_rate);
+  g_report.add("oneway_64B_sender_cpu_ns", per(sp.parent_cpu_ns), "ns/msg", per(raw.parent_cpu_ns));
+  g_report.add("oneway_64B_receiver_cpu_ns", per(sp.child_cpu_ns), "ns/msg", per(raw.child_cpu_ns));
+  g_report.add("oneway_64B_sends_returned_s", sp.send_seconds, "s", raw.send_seconds);
+  g_report.add("allocs_per_msg_send", sp.parent_allocs, "allocs/msg");
+  // What the sender's loop itself allocates, outside Spindle: one Payload::copy_of.
+  const std::uint64_t a0 = spindle::bench::allocations();
+  constexpr int kProbe = 1000;
+  for (int i = 0; i < kProbe; ++i) {
+    std::uint8_t b[kSmall] = {};
+    Payload p = Payload::copy_of(std::span<const std::uint8_t>(b, kSmall));
+    if (p.size() != kSmall) throw std::runtime_error("copy_of: wrong size");
+  }
+  const double copy_of_allocs =
+      static_cast<double>(spindle::bench::allocations() - a0) / kProbe;
+  g_report.add("allocs_per_payload_copy_of_64B", copy_of_allocs, "allocs/msg");
+  g_report.add("allocs_per_msg_recv", sp.child_allocs, "allocs/msg");
 }
 
 // ---------------------------------------------------------------------------
@@ -813,16 +866,31 @@ void section_big(const Config& cfg) {
       "child VmRSS after {:.1f} MiB; parent VmHWM {:.1f} -> {:.1f} MiB (payload built once)",
       size, sp.seconds, raw_s, sp.child_rss / 1048576.0, sp.parent_hwm_before / 1048576.0,
       sp.parent_hwm_after / 1048576.0));
+  const std::string name = fmt::format("big_message_{:.0f}MiB", mib);
+  g_report.add(name, gb / sp.seconds, "GB/s", gb / raw_s);
+  g_report.add(name + "_memcpy_fresh", gb / cpy_fresh_s, "GB/s");
+  g_report.add(name + "_memcpy_prefaulted", gb / cpy_s, "GB/s");
+  g_report.add(name + "_child_hwm_per_payload", rss_ratio, "x", 1.0);
+  g_report.add(name + "_child_hwm_before_MiB", sp.child_base_hwm / 1048576.0, "MiB");
+  g_report.add(name + "_child_hwm_after_MiB", sp.child_hwm / 1048576.0, "MiB");
+  g_report.add(name + "_child_rss_after_MiB", sp.child_rss / 1048576.0, "MiB");
 }
 
 void usage(const char* argv0) {
-  std::fprintf(stderr, "usage: %s [--quick] [--section rtt|oneway|big]\n", argv0);
+  std::fprintf(stderr, "usage: %s [--quick] [--section rtt|oneway|big] [--json PATH]\n", argv0);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Config cfg;
+  try {
+    g_report.take_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_core: %s\n", e.what());
+    usage(argv[0]);
+    return 2;
+  }
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--quick") {
@@ -867,11 +935,20 @@ int main(int argc, char** argv) {
     if (cfg.rtt) section_rtt(cfg, cpu_a, cpu_b);
     if (cfg.oneway) section_oneway(cfg);
     if (cfg.big) section_big(cfg);
+    // The 1-minute load average: other load on the machine skews every row.
+    g_report.add("core_loadavg_1min_start", std::atof(g_load_start.c_str()), "");
+    g_report.add("core_loadavg_1min_end", std::atof(loadavg().c_str()), "");
   } catch (const std::exception& e) {
     if (!g_rows.empty()) print_table(cfg);
     std::fprintf(stderr, "bench_core: error: %s\n", e.what());
     return 1;
   }
   print_table(cfg);
+  try {
+    g_report.finish();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_core: error: %s\n", e.what());
+    return 1;
+  }
   return 0;
 }

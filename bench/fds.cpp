@@ -13,7 +13,8 @@
 //           last byte (both processes read CLOCK_MONOTONIC); the producer's
 //           fill and the reply's way back are shown apart in the notes.
 //
-// Usage: bench_fds [--quick] [--section fds|big]
+// Usage: bench_fds [--quick] [--section fds|big] [--json PATH]
+// Rows (bench/report.h; names in bench/README.md) go to PATH as JSON.
 // Exits 0 whether or not the targets are met; non-zero only on real errors.
 #include <malloc.h>
 #include <signal.h>
@@ -33,6 +34,7 @@
 
 #include <fmt/format.h>
 
+#include "bench/report.h"
 #include "broker/log.h"
 #include "router/child.h"
 #include "stream/memfd.h"
@@ -68,6 +70,7 @@ std::uint64_t status_kib_bytes(const std::string& key) {
 }
 
 std::vector<std::string> g_lines, g_notes;
+spindle::bench::Report g_report("bench_fds");
 void row(const std::string& what, const std::string& spindle, const std::string& floor,
          const std::string& ratio, const std::string& target = {}, int met = -1) {
   g_lines.push_back(fmt::format("{:<44} {:>12} {:>16} {:>7}  {:<14} {}", what, spindle, floor, ratio,
@@ -176,6 +179,7 @@ void section_fds(const Config& cfg) {
   double raw = raw_fds_per_second(cfg.n_fds);
   row("fds passed per second (1 fd per message)", fmt::format("{:.0f} k/s", sp / 1e3),
       fmt::format("{:.0f} k/s", raw / 1e3), fmt::format("{:.2f}x", sp / raw));
+  g_report.add("fd_pass_per_s", sp, "fds/s", raw);
   g_notes.push_back(fmt::format("fds: N = {}; spindle Context::send with a dup'd fd each (the "
                                 "dup is counted) and a call every {} sends; raw: blocking sendmsg "
                                 "of one fd per frame",
@@ -333,12 +337,42 @@ void section_big(const Config& cfg) {
                                   "reply back (incl. the receiver dropping the payload) {:.1f} ms",
                                   name, r.to_handler_s * 1e3, r.read_s * 1e3,
                                   (r.transfer_s - r.to_handler_s - r.read_s) * 1e3));
+
+  // Rows: GB/s send -> read; the memfd and socket paths against memcpy into
+  // fresh memory, the heap payload against the same payload built in a
+  // fabric buffer (what the one copy into a memfd costs).
+  const std::string sz = fmt::format("{:.0f}MiB", mib);
+  g_report.add("fabric_memfd_" + sz, mfd_gbs, "GB/s", gb / cpy_fresh);
+  g_report.add("heap_payload_memfd_" + sz, gb / heap_s, "GB/s", mfd_gbs);
+  g_report.add("socket_payload_" + sz, gb / sock_s, "GB/s", gb / cpy_fresh);
+  g_report.add("payload_memcpy_fresh_" + sz, gb / cpy_fresh, "GB/s");
+  g_report.add("payload_memcpy_prefaulted_" + sz, gb / cpy, "GB/s");
+  g_report.add("fabric_memfd_" + sz + "_incl_fill", gb / (mfd.fill_s + mfd_s), "GB/s");
+  g_report.add("receiver_hwm_per_payload_memfd", ratio(mfd), "x", 1.0);
+  g_report.add("receiver_hwm_per_payload_socket", ratio(sock), "x", 1.0);
+  g_report.add("receiver_hwm_before_memfd_MiB", mfd.child_base_hwm / 1048576.0, "MiB");
+  g_report.add("receiver_hwm_before_socket_MiB", sock.child_base_hwm / 1048576.0, "MiB");
+  for (const auto& [name, r] : {std::pair<const char*, const BigRun&>{"fabric_memfd_", mfd},
+                                {"heap_payload_memfd_", heap}, {"socket_payload_", sock}}) {
+    const std::string base = name + sz;
+    g_report.add(base + "_fill_ms", r.fill_s * 1e3, "ms");
+    g_report.add(base + "_to_handler_ms", r.to_handler_s * 1e3, "ms");
+    g_report.add(base + "_read_ms", r.read_s * 1e3, "ms");
+    g_report.add(base + "_reply_ms", (r.transfer_s - r.to_handler_s - r.read_s) * 1e3, "ms");
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Config cfg;
+  try {
+    g_report.take_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_fds: %s\nusage: %s [--quick] [--section fds|big] [--json PATH]\n",
+                 e.what(), argv[0]);
+    return 2;
+  }
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--quick") {
@@ -350,7 +384,7 @@ int main(int argc, char** argv) {
       cfg.fds = s == "fds";
       cfg.big = s == "big";
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--section fds|big]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--section fds|big] [--json PATH]\n", argv[0]);
       return 2;
     }
   }
@@ -369,5 +403,11 @@ int main(int argc, char** argv) {
               "target", "result");
   for (const auto& l : g_lines) std::printf("%s\n", l.c_str());
   for (const auto& n : g_notes) std::printf("  %s\n", n.c_str());
+  try {
+    g_report.finish();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_fds: error: %s\n", e.what());
+    return 1;
+  }
   return 0;
 }

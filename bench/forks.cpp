@@ -4,7 +4,8 @@
 // per worker, the slowest worker's latency, failures, and a raw fork()+_exit()
 // floor measured in the same run; it draws the scaling as an SVG.
 //
-// Usage: bench_forks [--quick] [--max N] [--calls K] [--burst-only] [--svg PATH]
+// Usage: bench_forks [--quick] [--max N] [--calls K] [--burst-only] [--svg PATH] [--json PATH]
+// Rows (bench/report.h; names in bench/README.md) go to the --json PATH.
 // Target (issue 3): <= 0.3 ms per worker at N = 1024 in burst mode, 0 failures.
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "bench/report.h"
 #include "tests/forks_scaling.h"
 
 namespace {
@@ -88,6 +90,16 @@ void write_svg(const std::string& path, const std::vector<Row>& rows) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::Report report("bench_forks");
+  const char* usage =
+      "usage: %s [--quick] [--max N] [--calls K] [--burst-only] [--svg PATH] [--json PATH]\n";
+  try {
+    report.take_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_forks: %s\n", e.what());
+    std::fprintf(stderr, usage, argv[0]);
+    return 2;
+  }
   bool quick = false;
   int max_n = 1024;
   std::string svg = "bench_forks.svg";
@@ -101,7 +113,7 @@ int main(int argc, char** argv) {
     else if (a == "--calls" && i + 1 < argc) calls = std::atoi(argv[++i]);
     else if (a == "--burst-only") one_at_a_time = false;
     else {
-      std::fprintf(stderr, "usage: %s [--quick] [--max N] [--calls K] [--burst-only] [--svg PATH]\n", argv[0]);
+      std::fprintf(stderr, usage, argv[0]);
       return 2;
     }
   }
@@ -135,6 +147,10 @@ int main(int argc, char** argv) {
                   r.raw_fork_exit_ms / n);
       for (auto& e : r.errors) std::printf("    %s\n", e.c_str());
       rows.push_back({n, burst, r});
+      const std::string name = fmt::format("forks_{}_{}", burst ? "burst" : "one_at_a_time", n);
+      report.add(name + "_ms_per_worker", r.wall_ms / n, "ms", r.raw_fork_exit_ms / n);
+      report.add(name + "_slowest_ms", r.slowest_ms, "ms");
+      report.add(name + "_failures", r.failures, "workers");
     }
   }
   for (auto& row : rows)
@@ -146,5 +162,11 @@ int main(int argc, char** argv) {
   write_svg(svg, rows);
   std::printf("scaling picture: %s\n", std::filesystem::absolute(svg).c_str());
   router.stop(SIGTERM);
+  try {
+    report.finish();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_forks: error: %s\n", e.what());
+    return 1;
+  }
   return total_failures == 0 ? 0 : 1;
 }

@@ -5,13 +5,15 @@
 // socketpair by one thread and read by another, which is what one hop costs
 // the kernel without any routing (each routed message makes two hops).
 //
-// Usage: bench_load [--quick] [--clients N] [--messages M] [--size BYTES]
+// Usage: bench_load [--quick] [--clients N] [--messages M] [--size BYTES] [--json PATH]
+// Rows (bench/report.h; names in bench/README.md) go to the --json PATH.
 // --quick (the CI smoke run): 16 clients x 500 messages.
 // Exit status 0 only if nothing was lost, corrupted or reordered.
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -20,6 +22,9 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "bench/report.h"
 #include "tests/load_scenario.h"
 #include "tests/process_util.h"
 #include "tests/router_probe.h"
@@ -74,6 +79,14 @@ void raise_fd_limit() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::Report report("bench_load");
+  const char* usage = "usage: bench_load [--quick] [--clients N] [--messages M] [--size BYTES] [--json PATH]\n";
+  try {
+    report.take_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_load: %s\n%s", e.what(), usage);
+    return 2;
+  }
   load::Options o;
   o.clients = 256;
   o.messages = 10000;
@@ -90,7 +103,7 @@ int main(int argc, char** argv) {
     } else if (a == "--size" && i + 1 < argc) {
       o.size = static_cast<std::size_t>(std::atol(argv[++i]));
     } else {
-      std::fprintf(stderr, "usage: bench_load [--quick] [--clients N] [--messages M] [--size BYTES]\n");
+      std::fprintf(stderr, "%s", usage);
       return 2;
     }
   }
@@ -123,5 +136,22 @@ int main(int argc, char** argv) {
   for (auto& e : r.errors) std::printf("  error: %s\n", e.c_str());
   bool ok = !r.timed_out && r.received == total && r.out_of_order == 0 && r.corrupt == 0 &&
             r.send_errors == 0;
+  // The floor of a routed message is two hops: half the one-hop rate.
+  const std::string name = fmt::format("load_{}_clients_random_peers", o.clients);
+  report.add(name, r.received / r.seconds, "msgs/s", floor / 2);
+  report.add("load_socketpair_one_hop", floor, "frames/s");
+  report.add(name + "_seconds", r.seconds, "s");
+  report.add(name + "_lost", static_cast<double>(total - std::min(total, r.received)), "msgs");
+  report.add(name + "_out_of_order", static_cast<double>(r.out_of_order), "msgs");
+  report.add(name + "_corrupt", static_cast<double>(r.corrupt), "msgs");
+  report.add(name + "_send_errors", static_cast<double>(r.send_errors), "msgs");
+  report.add("load_router_rss_before_KiB", static_cast<double>(rss_before), "KiB");
+  report.add("load_router_rss_after_KiB", static_cast<double>(rss_after), "KiB");
+  try {
+    report.finish();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_load: error: %s\n", e.what());
+    return 1;
+  }
   return ok ? 0 : 1;
 }

@@ -15,7 +15,8 @@
 //           Also: pool wake-ups per message, voluntary switches per message.
 //   fds     fds opened per worker when a 64-worker pool starts.
 //
-// Usage: bench_services [--quick]. Exit status non-zero only on a wrong
+// Usage: bench_services [--quick] [--json PATH]. Rows (bench/report.h; names
+// in bench/README.md) go to the --json PATH. Exit status non-zero only on a wrong
 // reply or a failed check, never on a figure.
 #include <dirent.h>
 
@@ -39,6 +40,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "bench/report.h"
 #include "broker/log.h"
 #include "router/context.h"
 #include "services/client.h"
@@ -54,6 +56,7 @@ using namespace spindle;
 using namespace std::chrono_literals;
 
 bool g_failed = false;
+bench::Report g_report("bench_services");
 
 void check(bool ok, const std::string& what) {
   if (!ok) {
@@ -219,21 +222,28 @@ double handoff_floor(int jobs) {
 
 void section_wake(int jobs) {
   std::printf("\n== wake: %d jobs handed off, paced in bursts of 8 ==\n", jobs);
-  std::printf("floor (one thread, mutex + deque, no hand-off): %.2f M jobs/s\n", handoff_floor(jobs) / 1e6);
+  const double floor = handoff_floor(jobs);
+  std::printf("floor (one thread, mutex + deque, no hand-off): %.2f M jobs/s\n", floor / 1e6);
+  g_report.add("wake_floor_mutex_deque", floor, "jobs/s");
   std::printf("%-36s %8s %12s %16s %14s\n", "primitive", "workers", "jobs/s", "sleeps per job",
               "cpu us/job");
   for (int w : {1, 2, 4}) {
     struct Row {
       const char* name;
+      const char* row;  // in row names
       std::function<std::unique_ptr<Handoff>()> make;
     };
-    for (const Row& r : {Row{"futex word per waiter (LaneSet)", [] { return std::unique_ptr<Handoff>(new FutexQueue); }},
-                         Row{"std::counting_semaphore", [] { return std::unique_ptr<Handoff>(new SemaphoreQueue); }},
-                         Row{"condition_variable notify_one", [] { return std::unique_ptr<Handoff>(new CondvarQueue); }}}) {
+    for (const Row& r : {Row{"futex word per waiter (LaneSet)", "futex", [] { return std::unique_ptr<Handoff>(new FutexQueue); }},
+                         Row{"std::counting_semaphore", "semaphore", [] { return std::unique_ptr<Handoff>(new SemaphoreQueue); }},
+                         Row{"condition_variable notify_one", "condvar", [] { return std::unique_ptr<Handoff>(new CondvarQueue); }}}) {
       auto q = r.make();
       WakeResult res = run_handoff(*q, w, jobs);
       std::printf("%-36s %8d %12.0f %16.2f %14.2f\n", r.name, w, res.per_sec, res.switches_per_job,
                   res.cpu_us_per_job);
+      const std::string name = fmt::format("wake_{}_{}_workers", r.row, w);
+      g_report.add(name, res.per_sec, "jobs/s");  // the bench prints its floor apart, no ratio
+      g_report.add(name + "_sleeps_per_job", res.switches_per_job, "sleeps/job");
+      g_report.add(name + "_cpu_us_per_job", res.cpu_us_per_job, "us/job");
     }
   }
 }
@@ -297,6 +307,12 @@ void section_calls(int calls) {
       check(msgs == static_cast<double>(callers) * calls, "every call went through the pool");
       std::printf("%-10d %8zu %14.0f %14.0f %8.2f %14.2f %16.2f\n", callers, workers, rate, floor,
                   rate / floor, (after.wakeups - before.wakeups) / msgs, sw / msgs);
+      // pool_calls_1_caller is the 1-worker case; more workers are suffixed.
+      std::string name = fmt::format("pool_calls_{}_caller{}", callers, callers == 1 ? "" : "s");
+      if (workers > 1) name += fmt::format("_{}_workers", workers);
+      g_report.add(name, rate, "calls/s", floor);
+      g_report.add(name + "_wakes_per_msg", (after.wakeups - before.wakeups) / msgs, "wakes/msg");
+      g_report.add(name + "_sleeps_per_msg", sw / msgs, "sleeps/msg");
     }
   }
 }
@@ -313,22 +329,38 @@ void section_fds() {
   std::printf("\n== fds: a 64-worker pool opened %zd fds: %.2f per worker (Mitogen: 2 per sleeping thread) ==\n",
               static_cast<long>(after) - static_cast<long>(before),
               (static_cast<double>(after) - static_cast<double>(before)) / 64);
+  g_report.add("pool_fds_per_worker", (static_cast<double>(after) - static_cast<double>(before)) / 64,
+               "fds/worker");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
+  bool usage = false;
+  try {
+    g_report.take_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_services: %s\n", e.what());
+    usage = true;
+  }
+  for (int i = 1; i < argc && !usage; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    else {
-      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
-      return 2;
-    }
+    else usage = true;
+  }
+  if (usage) {
+    std::fprintf(stderr, "usage: %s [--quick] [--json PATH]\n", argv[0]);
+    return 2;
   }
   spindle::log().set_level(spdlog::level::warn);
   section_wake(quick ? 2000 : 200000);
   section_calls(quick ? 300 : 20000);
   section_fds();
+  try {
+    g_report.finish();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_services: error: %s\n", e.what());
+    return 1;
+  }
   return g_failed ? 1 : 0;
 }

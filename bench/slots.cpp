@@ -16,7 +16,8 @@
 // Reads check the slot's stamp (first word == last word), so a torn read is
 // an error, not a number.
 //
-// Usage: bench_slots [--quick]
+// Usage: bench_slots [--quick] [--json PATH]
+// Rows (bench/report.h; names in bench/README.md) go to the --json PATH.
 // Exits 0 whether or not the slot buffer scales; non-zero only on real errors
 // (a torn read, a child that failed, a syscall that failed).
 #include <pthread.h>
@@ -34,6 +35,7 @@
 #include <functional>
 #include <memory>
 #include <new>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -42,6 +44,7 @@
 
 #include <fmt/format.h>
 
+#include "bench/report.h"
 #include "shm/slot_buffer.h"
 
 namespace {
@@ -82,6 +85,7 @@ using Op = std::function<bool(std::size_t slot, std::vector<std::byte>& scratch)
 
 struct Case {
   std::string name;
+  std::string row;  // in row names
   Op op;
 };
 
@@ -128,7 +132,7 @@ double run_case(Control& ctl, int procs, std::size_t slots, std::size_t slot_siz
   return static_cast<double>(total) / seconds;
 }
 
-void bench_size(Control& ctl, std::size_t slots, std::size_t slot_size, std::chrono::milliseconds duration,
+void bench_size(spindle::bench::Report& report, Control& ctl, std::size_t slots, std::size_t slot_size, std::chrono::milliseconds duration,
                 int repeats) {
   auto buffer = SlotBuffer::create({slots, slot_size});
   // The global-lock variant keeps its slots in shared memory too.
@@ -155,23 +159,23 @@ void bench_size(Control& ctl, std::size_t slots, std::size_t slot_size, std::chr
   };
 
   std::vector<Case> cases = {
-      {"floor: memcpy slot -> private",
+      {"floor: memcpy slot -> private", "memcpy_floor",
        [&](std::size_t s, std::vector<std::byte>& buf) {
          std::memcpy(buf.data(), private_src.data() + s * slot_size, slot_size);
          return whole(buf.data(), slot_size);
        }},
-      {"slots: write",
+      {"slots: write", "write",
        [&](std::size_t s, std::vector<std::byte>& buf) {
          stamp(buf, s);
          if (buffer->write(s, buf) != SlotStatus::kOk) ctl.busy.fetch_add(1);
          return true;
        }},
-      {"slots: sample (read)",
+      {"slots: sample (read)", "sample",
        [&](std::size_t s, std::vector<std::byte>& buf) {
          auto r = buffer->read(s, buf);
          return r.status != SlotStatus::kOk || whole(buf.data(), slot_size);
        }},
-      {"global lock: write",
+      {"global lock: write", "global_lock_write",
        [&](std::size_t s, std::vector<std::byte>& buf) {
          stamp(buf, s);
          pthread_mutex_lock(&ctl.global_lock);
@@ -179,7 +183,7 @@ void bench_size(Control& ctl, std::size_t slots, std::size_t slot_size, std::chr
          pthread_mutex_unlock(&ctl.global_lock);
          return true;
        }},
-      {"global lock: sample (read)",
+      {"global lock: sample (read)", "global_lock_sample",
        [&](std::size_t s, std::vector<std::byte>& buf) {
          pthread_mutex_lock(&ctl.global_lock);
          std::memcpy(buf.data(), plain + s * slot_size, slot_size);
@@ -193,6 +197,7 @@ void bench_size(Control& ctl, std::size_t slots, std::size_t slot_size, std::chr
               static_cast<long long>(duration.count()), std::thread::hardware_concurrency());
   std::printf("%-32s %14s %14s %14s %10s\n", "ops/s (total over processes)", "1 proc", "2 procs", "4 procs",
               "4p / 1p");
+  double floor[3] = {0, 0, 0};  // the first case is the floor
   for (const Case& c : cases) {
     double r[3];
     int procs[3] = {1, 2, 4};
@@ -202,6 +207,14 @@ void bench_size(Control& ctl, std::size_t slots, std::size_t slot_size, std::chr
         r[i] = std::max(r[i], run_case(ctl, procs[i], slots, slot_size, c.op, warm_up, duration));
     }
     std::printf("%-32s %14.3g %14.3g %14.3g %9.2fx\n", c.name.c_str(), r[0], r[1], r[2], r[2] / r[0]);
+    const bool is_floor = &c == &cases.front();
+    const std::string name = fmt::format("slots_{}B_{}", slot_size, c.row);
+    for (int i = 0; i < 3; ++i) {
+      if (is_floor) floor[i] = r[i];
+      report.add(fmt::format("{}_{}p", name, procs[i]), r[i], "ops/s",
+                 is_floor ? std::nullopt : std::optional<double>(floor[i]));
+    }
+    report.add(name + "_4p_over_1p", r[2] / r[0], "x");
   }
   ::munmap(plain, slots * slot_size);
 }
@@ -209,14 +222,22 @@ void bench_size(Control& ctl, std::size_t slots, std::size_t slot_size, std::chr
 }  // namespace
 
 int main(int argc, char** argv) {
+  spindle::bench::Report report("bench_slots");
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
-      quick = true;
-    } else {
-      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
-      return 2;
-    }
+  bool usage = false;
+  try {
+    report.take_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_slots: %s\n", e.what());
+    usage = true;
+  }
+  for (int i = 1; i < argc && !usage; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    else usage = true;
+  }
+  if (usage) {
+    std::fprintf(stderr, "usage: %s [--quick] [--json PATH]\n", argv[0]);
+    return 2;
   }
   try {
     auto* ctl = new (map_shared_anon<Control>(sizeof(Control))) Control{};
@@ -227,10 +248,12 @@ int main(int argc, char** argv) {
     pthread_mutexattr_destroy(&attr);
     auto duration = std::chrono::milliseconds(quick ? 20 : 300);
     int repeats = quick ? 1 : 3;
-    bench_size(*ctl, quick ? 10'000 : 100'000, 256, duration, repeats);
-    if (!quick) bench_size(*ctl, 16'384, 4096, duration, repeats);
+    bench_size(report, *ctl, quick ? 10'000 : 100'000, 256, duration, repeats);
+    if (!quick) bench_size(report, *ctl, 16'384, 4096, duration, repeats);
     std::printf("\nbusy writes (slot held past the wait bound): %llu; torn reads: 0 (a torn read exits non-zero)\n",
                 static_cast<unsigned long long>(ctl->busy.load()));
+    report.add("slots_busy_writes", static_cast<double>(ctl->busy.load()), "writes");
+    report.finish();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_slots: %s\n", e.what());
     return 1;
