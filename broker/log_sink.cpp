@@ -42,14 +42,16 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
 
   void log(const spdlog::details::log_msg& msg) override {
     spdlog::memory_buf_t buf;
-    std::unique_lock lk(mu_);
-    formatter_->format(msg, buf);
     if (::getpid() != owner_) {
-      // A forked child that has not reset its logging: no writer thread here.
-      lk.unlock();
+      // A forked child that has not reset its logging: no writer thread here,
+      // and mu_ may have been held by the parent's writer at the fork, so it
+      // is not taken (the child has one thread until it resets its logging).
+      formatter_->format(msg, buf);
       write_fully(buf.data(), buf.size());
       return;
     }
+    std::unique_lock lk(mu_);
+    formatter_->format(msg, buf);
     if (queued_bytes_ + buf.size() > kMaxQueuedBytes) {
       ++dropped_;
       total_dropped_.fetch_add(1, std::memory_order_relaxed);
