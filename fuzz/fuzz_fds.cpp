@@ -127,7 +127,13 @@ bool send_frame(int sock, const std::string& bytes, const std::vector<int>& fds)
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  static const int baseline = open_fds();
+  static const int baseline = [] {
+    if (std::getenv("SPINDLE_FUZZ_STRICT_FDS")) {
+      std::fprintf(stderr, "fuzz_fds: fds open at the start:\n");
+      list_fds();
+    }
+    return open_fds();
+  }();
   FuzzedDataProvider in(data, size);
   {
     fuzz::RouterHarness h(kFlagFdPassing);
@@ -173,6 +179,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (int now = open_fds(); now != expected) {
     std::fprintf(stderr, "fuzz_fds: %d fd(s) open, %d expected\n", now, expected);
     list_fds();
+    // Closed a moment later: something outlived the harness.
+    for (int ms = 0; ms < 2000 && open_fds() != expected; ms += 10) ::usleep(10000);
+    std::fprintf(stderr, "fuzz_fds: after up to 2 s, %d fd(s) open\n", open_fds());
     static const bool strict = std::getenv("SPINDLE_FUZZ_STRICT_FDS") != nullptr;
     if (strict) fuzz::fail("an fd received by the router was never closed");
     expected = now;

@@ -84,6 +84,7 @@ std::vector<ClientStats> Router::client_stats() {
       c.bytes_out = st.bytes_out;
       c.queued_bytes = l->stream->gauge().queued();
       c.memory_held = l->stream->account()->held();
+      c.memory_peak = l->stream->account()->peak();
       c.paused = l->stream->reading_paused();
       out.push_back(std::move(c));
     }

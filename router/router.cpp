@@ -149,6 +149,7 @@ RouterStats Router::stats() {
     s.handlers = handlers_.size();
     s.pending_calls = calls_.pending();
     s.memory_held = budget_->held();
+    s.memory_peak = budget_->peak();
     s.memory_limit = budget_->limit();
     return s;
   };

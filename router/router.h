@@ -111,7 +111,7 @@ struct ClientStats {
   std::uint32_t pid = 0, uid = 0;
   std::uint64_t messages_in = 0, messages_out = 0, bytes_in = 0, bytes_out = 0;
   std::size_t queued_bytes = 0;
-  std::size_t memory_held = 0;  // its Account
+  std::size_t memory_held = 0, memory_peak = 0;  // its Account
   bool paused = false;          // not read: over its memory limit
 };
 
@@ -119,7 +119,7 @@ struct RouterStats {
   std::uint64_t routed = 0, delivered_locally = 0, dead_replies = 0, dropped_logged = 0;
   std::size_t streams = 0, routes = 0, handlers = 0;
   std::size_t pending_calls = 0;
-  std::size_t memory_held = 0, memory_limit = 0;  // all peers together
+  std::size_t memory_held = 0, memory_peak = 0, memory_limit = 0;  // all peers together
 };
 
 class Router : public StreamListener, public ShutdownParticipant {

@@ -37,15 +37,17 @@ std::string format_stats(Router& router, Listener* listener) {
   ListenerStats ls = listener ? listener->stats() : ListenerStats{};
   std::string out = fmt::format(
       "router id={} pid={} fds={} clients={} routed={} delivered={} dead_replies={} accepted={} "
-      "refused_uid={} refused_full={} refused_no_fds={}\n",
+      "refused_uid={} refused_full={} refused_no_fds={} memory_held={} memory_peak={} memory_limit={}\n",
       router.id(), ::getpid(), open_fds(), clients.size(), rs.routed, rs.delivered_locally, rs.dead_replies,
-      ls.accepted, ls.refused_uid, ls.refused_full, ls.refused_no_fds);
+      ls.accepted, ls.refused_uid, ls.refused_full, ls.refused_no_fds, rs.memory_held, rs.memory_peak,
+      rs.memory_limit);
   for (const ClientStats& c : clients)
     out += fmt::format(
         "client id={} name={} dialect={} pid={} uid={} messages_in={} messages_out={} "
-        "bytes_in={} bytes_out={} queued_bytes={}\n",
+        "bytes_in={} bytes_out={} queued_bytes={} memory_held={} memory_peak={} paused={}\n",
         c.id, c.name, c.dialect == Dialect::kMitogen ? "mitogen" : "spindle", c.pid, c.uid,
-        c.messages_in, c.messages_out, c.bytes_in, c.bytes_out, c.queued_bytes);
+        c.messages_in, c.messages_out, c.bytes_in, c.bytes_out, c.queued_bytes, c.memory_held,
+        c.memory_peak, c.paused ? 1 : 0);
   return out;
 }
 

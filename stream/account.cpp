@@ -5,10 +5,20 @@
 #include "stream/account.h"
 
 namespace spindle {
+namespace {
+
+void raise_peak(std::atomic<std::size_t>& peak, std::size_t now) {
+  std::size_t cur = peak.load(std::memory_order_relaxed);
+  while (now > cur && !peak.compare_exchange_weak(cur, now, std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
 
 void MemoryBudget::add(std::size_t n) {
-  if (held_.fetch_add(n, std::memory_order_relaxed) + n > limit_)
-    was_over_.store(true, std::memory_order_relaxed);
+  std::size_t now = held_.fetch_add(n, std::memory_order_relaxed) + n;
+  raise_peak(peak_, now);
+  if (now > limit_) was_over_.store(true, std::memory_order_relaxed);
 }
 
 void MemoryBudget::sub(std::size_t n) {
@@ -41,6 +51,7 @@ bool Account::over() const { return over_with(held()); }
 void Account::charge(std::size_t n) {
   if (n == 0) return;
   std::size_t now = held_.fetch_add(n, std::memory_order_relaxed) + n;
+  raise_peak(peak_, now);
   if (budget_) budget_->add(n);
   if (over_with(now)) was_over_.store(true, std::memory_order_relaxed);
 }
@@ -53,6 +64,7 @@ bool Account::try_charge(std::size_t n) {
     // its limit plus one message.
     if (cur != 0 && over_with(cur + n)) return false;
   } while (!held_.compare_exchange_weak(cur, cur + n, std::memory_order_relaxed));
+  raise_peak(peak_, cur + n);
   if (budget_) budget_->add(n);
   if (over_with(cur + n)) was_over_.store(true, std::memory_order_relaxed);
   return true;

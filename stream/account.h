@@ -36,6 +36,8 @@ class MemoryBudget {
  public:
   explicit MemoryBudget(std::size_t limit = kDefaultGlobalMemoryLimit) : limit_(limit) {}
   std::size_t held() const { return held_.load(std::memory_order_relaxed); }
+  // The most ever held at once (what the limit actually allowed, for stats).
+  std::size_t peak() const { return peak_.load(std::memory_order_relaxed); }
   std::size_t limit() const { return limit_; }
   bool over() const { return held() > limit_; }
   // Accounts sharing the budget: the fair share of a peer is limit / peers.
@@ -55,6 +57,7 @@ class MemoryBudget {
 
   const std::size_t limit_;
   std::atomic<std::size_t> held_{0};
+  std::atomic<std::size_t> peak_{0};
   std::atomic<std::size_t> peers_{0};
   std::atomic<bool> was_over_{false};
   std::function<void()> relief_;  // set before the budget is shared
@@ -77,6 +80,7 @@ class Account {
   void release(std::size_t n);
 
   std::size_t held() const { return held_.load(std::memory_order_relaxed); }
+  std::size_t peak() const { return peak_.load(std::memory_order_relaxed); }
   std::size_t limit() const { return limit_; }
   // Over the per-peer limit, or the global budget is over and this peer holds
   // more than its fair share of it: a peer holding little keeps being served
@@ -92,6 +96,7 @@ class Account {
   const std::size_t limit_;
   std::shared_ptr<MemoryBudget> budget_;
   std::atomic<std::size_t> held_{0};
+  std::atomic<std::size_t> peak_{0};
   std::atomic<bool> was_over_{false};
   std::function<void()> relief_;  // set before the account is shared
 };

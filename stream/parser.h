@@ -93,12 +93,13 @@ class FrameParser {
   // Bytes of a frame not yet complete are held (what EOF would cut short).
   bool partial() const { return rx_.readable() > 0 || in_body_; }
   std::size_t partial_bytes() const { return rx_.readable() + body_filled_; }
+  // A frame's body is being received and is not complete yet.
+  bool body_wants_bytes() const;
   // Large bodies are charged here as they are allocated (may be null).
   void set_account(std::shared_ptr<Account> a) { account_ = std::move(a); }
 
  private:
   friend class InFrame;
-  bool body_wants_bytes() const;
   Header peek_header() const;  // needs rx_.readable() >= kHeaderSize
   bool wants_direct_body(const Header& h) const;
   std::size_t begin_direct_body(const Header& h);

@@ -251,8 +251,13 @@ void Stream::start() {
 // Over the memory limit: stop reading. A stall timer disconnects a peer that
 // stays over while its own output makes no progress (it neither reads what we
 // hold for it nor lets us drop anything).
+//
+// A frame whose body is being read into a buffer of its own is finished
+// first, even over the limit: its whole size was charged when the buffer was
+// made, and only completing it (and dispatching it) can release that charge.
+// Pausing there would wait forever for a release that needs this very read.
 bool Stream::over_limit() {
-  if (!account_->over()) return false;
+  if (!account_->over() || parser_->body_wants_bytes()) return false;
   if (!paused_) {
     paused_ = true;
     ++stats_.read_pauses;

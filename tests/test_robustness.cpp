@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <climits>
 #include <future>
 #include <string>
 
@@ -22,6 +23,7 @@
 #include "router/router.h"
 #include "router/unix_address.h"
 #include "stream/memfd.h"
+#include "stream/stream.h"
 #include "tests/fds_test_util.h"
 #include "tests/process_util.h"
 #include "tests/router_test_util.h"
@@ -221,6 +223,28 @@ TEST(HandlerFailures, BodyOverTheLengthFieldIsRefusedNotWrapped) {
   }
   EXPECT_NE(why.find("message too large"), std::string::npos) << why;
   EXPECT_EQ(echo.call(3000, "still there?", 20s), "still there?");
+}
+
+// §4: a Stream whose constructor throws (here: one of its fds is unusable)
+// closes the fds it was given, both of them, whichever one was bad. The
+// good end is a socket: once it is closed, its peer's send fails with EPIPE.
+TEST(StreamCreate, ClosesBothFdsWhenTheConstructorThrows) {
+  Broker broker;
+  constexpr int kUnusable = INT_MAX;  // never an open fd: fcntl says EBADF
+  for (bool bad_is_write : {true, false}) {
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    const int read_fd = bad_is_write ? sv[0] : kUnusable;
+    const int write_fd = bad_is_write ? kUnusable : sv[0];
+    EXPECT_THROW(Stream::create(broker, read_fd, write_fd, StreamOptions{}, nullptr, nullptr),
+                 std::system_error);
+    char byte = 'x';
+    errno = 0;
+    EXPECT_EQ(::send(sv[1], &byte, 1, MSG_NOSIGNAL), -1)
+        << "the good fd (the " << (bad_is_write ? "read" : "write") << " end) was left open";
+    EXPECT_EQ(errno, EPIPE);
+    ::close(sv[1]);
+  }
 }
 
 }  // namespace
