@@ -1,5 +1,5 @@
 // Looking at a running spindle-router from outside: its open fds and clients
-// through its stats service, its resident memory through /proc, and a polling
+// through its stats service, its resident memory and peak through /proc, and a polling
 // helper. Shared by the forks-scaling, fault, hostile-input and load tests.
 //
 // Thread safety: free functions; router_counts() connects a client of its own.
@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "router/connect.h"
@@ -69,13 +70,19 @@ inline constexpr bool kRssIsMeaningful = false;
 inline constexpr bool kRssIsMeaningful = true;
 #endif
 
-// A process's resident set (VmRSS in /proc/<pid>/status), in KiB; -1 if gone.
-inline long vm_rss_kib(pid_t pid) {
+// A field of /proc/<pid>/status in KiB ("VmRSS:", "VmHWM:"); -1 if gone.
+inline long proc_status_kib(pid_t pid, std::string_view field) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
   std::string line;
   while (std::getline(in, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::atol(line.c_str() + 6);
+    if (line.rfind(field, 0) == 0) return std::atol(line.c_str() + field.size());
   return -1;
 }
+
+// A process's resident set (VmRSS), in KiB; -1 if gone.
+inline long vm_rss_kib(pid_t pid) { return proc_status_kib(pid, "VmRSS:"); }
+
+// A process's peak resident set since it started (VmHWM), in KiB; -1 if gone.
+inline long vm_hwm_kib(pid_t pid) { return proc_status_kib(pid, "VmHWM:"); }
 
 }  // namespace spindle::testutil
