@@ -35,6 +35,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/chrono.h>
 #include <fmt/ranges.h>
 
 #include "bench/hostile.h"
@@ -104,6 +105,12 @@ const std::vector<std::string> kHostileRouterArgs = {
 constexpr std::uint32_t kRttEcho = 2400;
 constexpr std::size_t kRttSize = 64;
 
+// A wall-clock time as the router's log writes it (UTC, milliseconds).
+std::string utc(std::chrono::system_clock::time_point t) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+  return fmt::format("{:%H:%M:%S}.{:03}", std::chrono::floor<std::chrono::seconds>(t), ms % 1000);
+}
+
 // Two extra honest clients: A calls B's echo handler back to back, from its
 // own thread, until stop(); every round trip is recorded, every failure
 // (error, timeout, wrong bytes) counted.
@@ -124,6 +131,8 @@ class RttProbe {
   const std::vector<double>& ms() const { return ms_; }  // after stop()
   std::uint64_t failures() const { return failures_; }
   const std::string& first_error() const { return first_error_; }
+  // When the slowest round trip was sent, to find it in the router's log.
+  const std::string& worst_at() const { return worst_at_; }
 
  private:
   void loop() {
@@ -132,13 +141,18 @@ class RttProbe {
     for (std::size_t i = 0; !stop_.load(); ++i) {
       for (std::size_t k = 0; k < kRttSize; ++k) msg[k] = static_cast<char>(i * 7 + k);
       auto t0 = std::chrono::steady_clock::now();
+      const auto wall = std::chrono::system_clock::now();
       try {
         std::string back = to_b.call(kRttEcho, msg, std::chrono::seconds(10));
         auto t1 = std::chrono::steady_clock::now();
         if (back != msg) throw Error("echo came back changed");
         ms_.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+        if (ms_.back() > worst_ms_) {
+          worst_ms_ = ms_.back();
+          worst_at_ = utc(wall);
+        }
       } catch (const std::exception& e) {
-        if (failures_++ == 0) first_error_ = e.what();
+        if (failures_++ == 0) first_error_ = fmt::format("{} (sent at {} UTC)", e.what(), utc(wall));
       }
     }
   }
@@ -147,6 +161,8 @@ class RttProbe {
   std::vector<double> ms_;
   std::uint64_t failures_ = 0;
   std::string first_error_;
+  double worst_ms_ = -1;
+  std::string worst_at_;
   std::thread thread_;
 };
 
@@ -184,9 +200,9 @@ bool report_hostile(bench::Report& report, int k, const bench::hostile::Swarm& s
     std::printf("  memory_peak     not reported by this router's stats service\n");
   else
     std::printf("  memory_peak     %.1f MiB accounted (limit %ld MiB)\n", peak_mib, kGlobalLimitMiB);
-  std::printf("  honest rtt      p50 %.3f ms, p99 %.3f ms, max %.3f ms over %zu round trips, "
-              "%llu failed (target p99 < %.0f ms)\n",
-              p.median, p.p99, max_ms, probe.ms().size(),
+  std::printf("  honest rtt      p50 %.3f ms, p99 %.3f ms, max %.3f ms (sent at %s UTC) over %zu round "
+              "trips, %llu failed (target p99 < %.0f ms)\n",
+              p.median, p.p99, max_ms, probe.worst_at().c_str(), probe.ms().size(),
               static_cast<unsigned long long>(probe.failures()), kRttTargetMs);
   report.add("load_hostile_clients", k, "clients");
   report.add("load_hostile_router_hwm_MiB", hwm_mib, "MiB", rss_target);
