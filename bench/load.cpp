@@ -94,7 +94,7 @@ void raise_fd_limit() {
 // The router's limits under --hostile, and the targets (issue #11 §5).
 constexpr long kGlobalLimitMiB = 256, kPeerLimitMiB = 16;
 // What the router holds that no peer is charged for: its code and libraries,
-// thread stacks, one link's fixed state per client (~270 here) and the
+// thread stacks, one link's fixed state per client (~270 at full size), the
 // allocator's free lists. Stated before measuring; not tuned to the result.
 constexpr long kRssMarginMiB = 64;
 constexpr double kRttTargetMs = 50;
