@@ -1,6 +1,6 @@
 // Looking at a running spindle-router from outside: its open fds and clients
-// through its stats service, its resident memory and peak through /proc, and a polling
-// helper. Shared by the forks-scaling, fault, hostile-input and load tests.
+// through its stats service, its resident memory and its peak through /proc,
+// and a polling helper. Shared by the forks-scaling, fault, hostile-input and load tests.
 //
 // Thread safety: free functions; router_counts() connects a client of its own.
 #pragma once
