@@ -28,7 +28,7 @@ if [[ ${#targets[@]} -eq 0 ]]; then
 fi
 
 cmake -S . -B "$builddir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DSPINDLE_BUILD_FUZZERS=ON \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DSPINDLE_BUILD_FUZZERS=ON \
   -DBUILD_TESTING=OFF -DSPINDLE_BUILD_BENCH=OFF >/dev/null
 cmake --build "$builddir" -j"${SPINDLE_JOBS:-2}" --target "${targets[@]}"
 

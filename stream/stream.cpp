@@ -2,9 +2,13 @@
 // into the parser's read target (a receive chunk or a large message's own
 // body buffer), one read per broker turn so one busy peer cannot starve the
 // others. recvmsg rather than Asio's async_read_some because fds arrive as
-// ancillary data (MSG_CMSG_CLOEXEC, MSG_CTRUNC checked on every call). After
-// a read that filled its target the next one is posted (more is likely
-// waiting); after a short read the stream waits for readability. Before each
+// ancillary data (MSG_CMSG_CLOEXEC, MSG_CTRUNC checked on every call). A turn
+// also delivers a bounded number of frames (a share of kFramesPerPass among
+// the busy streams): the rest wait in the chunk for the stream's next turn,
+// so a pass over every busy stream, and the wait of a stream that has just
+// become readable, stays short however many peers flood. After a read that
+// filled its target, or with frames left, the next turn is posted; after a
+// short read the stream waits for readability. Before each
 // read the peer's account is checked: over its limit, the stream stops
 // reading until a release brings it back under (Account::on_relief).
 //
@@ -39,6 +43,22 @@ namespace spindle {
 namespace {
 
 constexpr int kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
+
+// Streams of this thread's broker with an input turn queued. Each broker runs
+// on a thread of its own, so a thread_local is per broker.
+thread_local std::size_t t_queued_input_turns = 0;
+
+// Frames one input turn may deliver. All the busy streams' turns together
+// deliver about kFramesPerPass before Asio polls epoll again, so a stream
+// that has just become readable (a round trip's reply, a new client) waits
+// for one bounded pass, however many peers flood. A stream busy on its own
+// keeps large batches (its output is corked per turn, so batches matter).
+constexpr std::size_t kFramesPerPass = 4096;
+constexpr std::size_t kMinFramesPerTurn = 16;
+
+std::size_t frames_per_turn() {
+  return std::max(kMinFramesPerTurn, kFramesPerPass / (t_queued_input_turns + 1));
+}
 
 void set_nonblocking(int fd) {
   int fl = ::fcntl(fd, F_GETFL);
@@ -257,7 +277,7 @@ void Stream::start() {
 // made, and only completing it (and dispatching it) can release that charge.
 // Pausing there would wait forever for a release that needs this very read.
 bool Stream::over_limit() {
-  if (!account_->over() || parser_->body_wants_bytes()) return false;
+  if (!account_->over() || (parser_ && parser_->body_wants_bytes())) return false;
   if (!paused_) {
     paused_ = true;
     ++stats_.read_pauses;
@@ -268,18 +288,29 @@ bool Stream::over_limit() {
   return true;
 }
 
+bool Stream::stalled() const {
+  if (paused_) return true;
+  return opts_.drop_stalled_reader && port_->gauge.queued() > port_->gauge.high_water_mark();
+}
+
 void Stream::arm_stall_timer() {
-  if (opts_.stall_timeout.count() <= 0) return;
+  if (opts_.stall_timeout.count() <= 0 || stall_armed_) return;
+  stall_armed_ = true;
   stall_mark_ = stats_.bytes_out;
   stall_timer_.expires_after(opts_.stall_timeout);
   stall_timer_.async_wait([self = shared_from_this()](const std::error_code& ec) {
-    if (ec == asio::error::operation_aborted || !self->paused_ ||
-        self->state_ == StreamState::kClosed)
+    self->stall_armed_ = false;
+    if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed || !self->stalled())
       return;
     if (self->stats_.bytes_out != self->stall_mark_) return self->arm_stall_timer();
-    self->close(fmt::format("the peer stayed over its memory limit ({} bytes held, limit {}) "
-                            "for {} ms without reading",
-                            self->account_->held(), self->account_->limit(),
+    if (self->paused_)
+      return self->close(fmt::format("the peer stayed over its memory limit ({} bytes held, limit {}) "
+                                     "for {} ms without reading",
+                                     self->account_->held(), self->account_->limit(),
+                                     self->opts_.stall_timeout.count()));
+    self->close(fmt::format("the peer took nothing of the {} bytes queued for it (high-water mark {}) "
+                            "for {} ms",
+                            self->port_->gauge.queued(), self->port_->gauge.high_water_mark(),
                             self->opts_.stall_timeout.count()));
   });
 }
@@ -331,6 +362,9 @@ void Stream::do_read() {
 void Stream::arm_write() {
   if (write_armed_ || state_ == StreamState::kClosed) return;
   write_armed_ = true;
+  // The socket is full: a client that leaves a queue over its mark untaken
+  // for the stall timeout is dropped (its senders get dead replies).
+  if (stalled()) arm_stall_timer();
   writer().async_wait(asio::posix::descriptor_base::wait_write,
                       [self = shared_from_this()](const std::error_code& ec) {
                         self->write_armed_ = false;
@@ -348,16 +382,32 @@ void Stream::on_read(std::size_t n, bool filled) {
   stats_.bytes_in += n;
   // The peer spoke: an application thread may write the next request itself.
   if (state_ == StreamState::kOpen && port_->is_socket) port_->gate.allow_direct();
-  process_input();
-  if (!filled) return arm_read();
+  last_read_filled_ = filled;
+  input_left_ = process_input();
+  if (!input_left_ && !filled) return arm_read();
+  queue_input_turn();
+}
+
+// One turn per busy stream keeps the broker fair between streams: the next
+// turn (frames left over, or the next read) queues behind the other ready
+// handlers, and Asio polls epoll once per pass over that queue.
+void Stream::queue_input_turn() {
   if (read_armed_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
-  // One read per turn keeps the broker fair between streams: the next read
-  // queues behind the other ready handlers.
   read_armed_ = true;
+  ++t_queued_input_turns;
   asio::post(broker_.io(), [self = shared_from_this()] {
+    --t_queued_input_turns;
     self->read_armed_ = false;
-    self->do_read();
+    self->input_turn();
   });
+}
+
+void Stream::input_turn() {
+  if (state_ == StreamState::kClosed) return;
+  if (!input_left_) return do_read();
+  input_left_ = process_input();
+  if (!input_left_ && !last_read_filled_) return arm_read();
+  queue_input_turn();
 }
 
 bool Stream::run_handshake() {
@@ -390,9 +440,10 @@ bool Stream::run_handshake() {
   return state_ != StreamState::kClosed;
 }
 
-void Stream::process_input() {
-  if (state_ == StreamState::kHandshaking && !run_handshake()) return;
-  if (!parser_) return;
+bool Stream::process_input() {
+  if (state_ == StreamState::kHandshaking && !run_handshake()) return false;
+  if (!parser_) return false;
+  std::size_t budget = frames_per_turn();
   // The batch ends however the loop ends (a handler may throw through it):
   // the listener flushes what it corked, always. `f` outlives the batch,
   // whose end consumes the frame last handed out.
@@ -406,6 +457,7 @@ void Stream::process_input() {
     }
   } batch(*this);
   while (state_ != StreamState::kClosed) {
+    if (budget-- == 0) return true;
     ParseResult r = parser_->next(f);
     if (r.status == ParseStatus::kNeedMore) {
       if (orphan_fds()) {
@@ -424,6 +476,7 @@ void Stream::process_input() {
     ++stats_.messages_in;
     deliver(f);
   }
+  return false;
 }
 
 void Stream::deliver(InFrame& f) {

@@ -117,6 +117,10 @@ struct StreamOptions {
   // A peer over its memory limit whose own output makes no progress for this
   // long is disconnected (0: never).
   std::chrono::milliseconds stall_timeout{10000};
+  // Also disconnect a peer that takes nothing from a queue over the
+  // high-water mark for stall_timeout, even if it sends nothing (a router's
+  // clients: a trusted child that is merely slow is waited for).
+  bool drop_stalled_reader = false;
 };
 
 struct StreamStats {
@@ -199,10 +203,13 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void arm_read();
   void arm_write();
   void arm_stall_timer();
+  bool stalled() const;  // paused over the limit, or (drop_stalled_reader) output over the mark
   void note_queued();
   void do_read();
   ssize_t read_once(std::span<std::uint8_t> target);
   void on_read(std::size_t n, bool filled);
+  void queue_input_turn();
+  void input_turn();
   bool over_limit();
  public:
   void resume_reading();  // via ReadResumer, on the broker thread
@@ -214,7 +221,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void push_fd_frame(Message&& m, std::size_t charged, std::shared_ptr<const SealedMemfd> body);
   void refuse(Message&& m, std::size_t charged, const std::string& reason);
   bool send_fd_frame_failed(int err);
-  void process_input();
+  bool process_input();  // true: stopped at its turn's budget with frames left
   void deliver(InFrame& f);
   bool run_handshake();  // false if the stream closed
   void on_eof();
@@ -245,9 +252,12 @@ class Stream : public std::enable_shared_from_this<Stream> {
   asio::steady_timer handshake_timer_;
   asio::steady_timer stall_timer_;
   std::uint64_t stall_mark_ = 0;  // bytes_out when the stall timer was armed
+  bool stall_armed_ = false;
   std::shared_ptr<ReadResumer> resumer_;
   bool busy_ = true;              // the gate says kBusy (mirrors it for the broker)
   bool read_armed_ = false, write_armed_ = false;
+  bool input_left_ = false;       // parsed frames remain for the next turn
+  bool last_read_filled_ = false;  // more is likely waiting in the socket
   bool paused_ = false;           // reading stopped: the account is over its limit
   bool eof_seen_ = false, write_shut_ = false;
   bool drain_started_here_ = false;  // we said goodbye first (vs. answering the peer's)

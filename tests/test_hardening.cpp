@@ -3,6 +3,7 @@
 // cannot be forged or flooded, and a client cannot act for another context.
 // Each case keeps a well-behaved client and checks it is still served.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -212,7 +213,8 @@ TEST_F(Hardening, MemfdBodyToAnUnknownHandleIsNeverMapped) {
 // client) is streamed to it in bounded windows: while that peer reads
 // nothing, the router holds a window, not the body.
 TEST_F(Hardening, SparseMemfdToAnFdlessPeerIsStreamedInBoundedPieces) {
-  start({"--max-message-size", "128M"});
+  // (A long stall timeout: this peer reads only at the end, on purpose.)
+  start({"--max-message-size", "128M", "--stall-timeout", "120s"});
   RawPeer mito = RawPeer::connect_to(address());
   const std::uint32_t mito_id = mito.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
   RawPeer p = raw_client(kFlagFdPassing);
@@ -234,6 +236,37 @@ TEST_F(Hardening, SparseMemfdToAnFdlessPeerIsStreamedInBoundedPieces) {
   ASSERT_EQ(m.data.size(), 120u << 20) << m.text();
   auto c = m.data.contiguous();
   EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](std::uint8_t b) { return b == 0; }));
+}
+
+// §1: a client that takes nothing of a queue over its high-water mark is
+// disconnected after the stall timeout, even though it sends nothing (so it
+// is never paused for its own input): what is queued for it, here a streamed
+// memfd body charged to its sender, is not held forever.
+TEST_F(Hardening, AClientThatNeverReadsItsFullQueueIsDropped) {
+  start({"--max-message-size", "64M", "--high-water-mark", "1M", "--stall-timeout", "1s"});
+  RawPeer mito = RawPeer::connect_to(address());
+  const std::uint32_t mito_id = mito.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
+  RawPeer p = raw_client(kFlagFdPassing);
+  UniqueFd body = sparse_memfd(32u << 20);
+  int raw = body.get();
+  ASSERT_TRUE(send_with_fds(p.fd, memfd_frame(mito_id, id_, 4321, 0, kEncMitogen), std::span<const int>(&raw, 1)));
+  ASSERT_TRUE(logged("took nothing of the")) << router_->log();
+  // What the router had written before closing is read, then EOF (the body
+  // is cut short, so RawPeer's frame-by-frame wait_eof does not apply).
+  auto closed_by_router = [&] {
+    std::vector<char> buf(1 << 16);
+    auto until = std::chrono::steady_clock::now() + 30s;
+    while (std::chrono::steady_clock::now() < until) {
+      pollfd pf{mito.fd, POLLIN, 0};
+      if (::poll(&pf, 1, 100) <= 0) continue;
+      ssize_t n = ::read(mito.fd, buf.data(), buf.size());
+      if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+      if (n < 0 && errno != EINTR) return false;
+    }
+    return false;
+  };
+  EXPECT_TRUE(closed_by_router()) << "the router kept the non-reader's link";
+  expect_served("a client that never reads");
 }
 
 // §2: bytes a client supplies never start a log line of their own.
