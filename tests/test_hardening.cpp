@@ -22,6 +22,7 @@
 #include "tests/fds_test_util.h"
 #include "tests/process_util.h"
 #include "tests/raw_peer.h"
+#include "tests/router_fixture.h"
 #include "tests/router_probe.h"
 #include "tests/router_test_util.h"
 
@@ -33,33 +34,8 @@ using namespace std::chrono_literals;
 
 constexpr std::uint32_t kEcho = 2000;
 
-class Hardening : public ::testing::Test {
+class Hardening : public RouterFixture {
  protected:
-  void start(std::vector<std::string> extra = {}) {
-    extra.insert(extra.end(), {"--log-level", "info"});
-    router_ = std::make_unique<RouterProcess>(SPINDLE_ROUTER_BINARY, socket(), extra);
-    ASSERT_TRUE(router_->wait_ready()) << router_->log();
-    RouterOptions ro;
-    ro.name = "good";
-    good_ = connect(socket(), ro);
-  }
-  std::string socket() const { return dir_.path() + "/router.sock"; }
-  UnixAddress address() const { return UnixAddress::parse(socket()); }
-  RawPeer raw_client(std::uint16_t flags = kFlagNone) {
-    RawPeer p = RawPeer::connect_to(address());
-    id_ = p.handshake(flags);
-    return p;
-  }
-  void expect_served(const std::string& after) {
-    std::string text = "alive after " + after;
-    EXPECT_EQ(services::call_text(good_->router_context(), services::kPingService,
-                                  services::kPingMethod, text, 20s),
-              text)
-        << router_->log();
-  }
-  bool logged(std::string_view needle, std::chrono::milliseconds t = 20s) {
-    return eventually([&] { return contains(router_->log(), needle); }, t);
-  }
   long rss_kib() const { return vm_rss_kib(router_->pid()); }
   // The most the router's accounts ever held at once (all peers together).
   long long memory_peak() const { return stats_field(router_stats_text(socket()), " memory_peak="); }
@@ -77,11 +53,6 @@ class Hardening : public ::testing::Test {
     }
     return out;
   }
-
-  TempDir dir_;
-  std::unique_ptr<RouterProcess> router_;
-  std::unique_ptr<Connection> good_;
-  std::uint32_t id_ = 0;
 };
 
 // Writes `chunk` over and over without blocking until the socket stays full
@@ -133,9 +104,10 @@ TEST_F(Hardening, DeadReplyFloodAtANonReaderIsChargedBoundedAndLoggedOnce) {
   std::printf("router memory_peak %lld bytes\n", charged);
   EXPECT_GT(charged, 0);
   EXPECT_LE(charged, (8 << 20) + (1 << 20)) << "the router held more than the peer's limit for it";
-  if (kRssIsMeaningful)
+  if (kRssIsMeaningful) {
     EXPECT_LT(peak - before, 40 * 1024) << "a non-reader's dead replies grew the router by "
                                         << (peak - before) << " KiB";
+  }
   EXPECT_TRUE(logged("closed with")) << router_->log();
   auto summary = lines_with("closed with");
   ASSERT_EQ(summary.size(), 1u);
@@ -162,8 +134,9 @@ TEST_F(Hardening, QueuedFramesAreChargedAtWhatTheyCostNotTheirPayload) {
   // Two peers with 8 MiB limits: the sink's queue and the source's pinned
   // chunks, plus one chunk each.
   EXPECT_LE(charged, 2 * ((8 << 20) + (1 << 20))) << "the router held more than the peers' limits";
-  if (kRssIsMeaningful)
+  if (kRssIsMeaningful) {
     EXPECT_LT(peak - before, 48 * 1024) << "small queued frames cost more than they were charged";
+  }
   EXPECT_TRUE(logged(reason::kQueueFull) || logged("refusal")) << router_->log();
   expect_served("a full queue");
 }

@@ -19,6 +19,7 @@
 #include "stream/fds.h"
 #include "tests/process_util.h"
 #include "tests/raw_peer.h"
+#include "tests/router_fixture.h"
 #include "tests/router_probe.h"
 #include "tests/router_test_util.h"
 
@@ -32,43 +33,9 @@ constexpr std::uint32_t kEcho = 2000;
 constexpr std::size_t kMaxMessage = 4096;  // the router's --max-message-size here
 
 // A spindle-router with a small message limit, and a well-behaved client.
-class Hostile : public ::testing::Test {
+class Hostile : public RouterFixture {
  protected:
-  void SetUp() override {
-    router_ = std::make_unique<RouterProcess>(
-        SPINDLE_ROUTER_BINARY, socket(),
-        std::vector<std::string>{"--max-message-size", std::to_string(kMaxMessage), "--log-level",
-                                 "info"});
-    ASSERT_TRUE(router_->wait_ready()) << router_->log();
-    RouterOptions ro;
-    ro.name = "good";
-    good_ = connect(socket(), ro);
-  }
-  std::string socket() const { return dir_.path() + "/router.sock"; }
-  UnixAddress address() const { return UnixAddress::parse(socket()); }
-  // A raw client that has completed the Spindle handshake.
-  RawPeer raw_client() {
-    RawPeer p = RawPeer::connect_to(address());
-    id_ = p.handshake();
-    return p;
-  }
-  // The well-behaved client still gets answers from the router's ping service.
-  void expect_served(const std::string& after) {
-    std::string text = "alive after " + after;
-    EXPECT_EQ(services::call_text(good_->router_context(), services::kPingService,
-                                  services::kPingMethod, text, 20s),
-              text)
-        << router_->log();
-  }
-  // Waits until the router's log holds `needle`.
-  bool logged(std::string_view needle) {
-    return eventually([&] { return contains(router_->log(), needle); }, 20s);
-  }
-
-  TempDir dir_;
-  std::unique_ptr<RouterProcess> router_;
-  std::unique_ptr<Connection> good_;
-  std::uint32_t id_ = 0;  // the last raw client's id
+  void SetUp() override { start({"--max-message-size", std::to_string(kMaxMessage)}); }
 };
 
 TEST_F(Hostile, BadHelloMagicIsRefusedWithAReason) {
