@@ -6,8 +6,9 @@
 //     that does not exist, from a client that never reads its own socket
 //     (tests/test_hardening.cpp, DeadReplyFlood...);
 //   1 sparse memfds: a Mitogen-dialect client that never reads, and an
-//     fd-passing client sending it sealed sparse 120 MiB memfds, repeatedly
-//     (SparseMemfdToAnFdlessPeer...);
+//     fd-passing client sending it sealed sparse memfds, repeatedly: 120 MiB
+//     ones, which no client allowance admits (AClientsMemfdBody...), in turn
+//     with 12 MiB ones, which are streamed (SparseMemfdToAnFdlessPeer...);
 //   2 log flood: FORWARD_LOG frames as fast as the router takes them
 //     (ForwardLogFloodIsRateLimited; the router needs --accept-client-logs).
 // A client the router disconnects (stall timeout, protocol error) is counted
@@ -55,6 +56,7 @@ inline constexpr std::array<const char*, kKinds> kKindNames = {"dead_reply_flood
 inline constexpr std::uint32_t kNoSuchContext = 999999;
 inline constexpr std::uint32_t kAnyHandle = 2000;
 inline constexpr std::size_t kSparseBody = 120u << 20;  // under the default 128M message size
+inline constexpr std::size_t kSmallSparseBody = 12u << 20;  // within a 16M peer limit
 inline constexpr int kFramesPerBurst = 4096;
 inline constexpr int kPyWarning = 30;  // logged by a router at --log-level warn
 inline constexpr std::chrono::milliseconds kPollSlice{20};  // how often a blocked client checks stop
@@ -243,7 +245,7 @@ class Swarm {
   // the swarm stops before the first byte went out (the caller looks again).
   bool send_memfd(testutil::RawPeer& src, testutil::RawPeer& mito, std::uint32_t mito_id,
                   std::uint32_t src_id, Counters& c) {
-    UniqueFd body = detail::sparse_memfd(kSparseBody);
+    UniqueFd body = detail::sparse_memfd(c.frames.load() % 2 ? kSparseBody : kSmallSparseBody);
     const std::string bytes = detail::memfd_frame(mito_id, src_id);
     std::size_t off = 0;
     while (off < bytes.size()) {

@@ -3,6 +3,7 @@
 // the writer thread sleeps on a condition variable between batches.
 #include "broker/log_sink.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -19,6 +20,7 @@
 #include <spdlog/details/log_msg.h>
 #include <spdlog/pattern_formatter.h>
 
+#include "broker/errors.h"
 #include "broker/log.h"
 
 namespace spindle {
@@ -80,6 +82,22 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
     if (!started_ || ::getpid() != owner_) return;
     drained_.wait_for(lk, limit, [&] { return queue_.empty() && !writing_; });
   }
+  // pthread_atfork: the parent's writer must not be inside malloc or free
+  // when the process forks. GCC 12's ASan does not reset its allocator locks
+  // in the child, so a child forked while the writer thread was starting hung
+  // in its first allocation. Holding mu_ across the fork keeps the writer out
+  // of the allocator (once running, it only allocates under mu_).
+  // A writer thread that is still starting (inside the sanitizer's or
+  // glibc's thread set-up, which allocates) is waited for too.
+  void hold_for_fork() {
+    if (::getpid() != owner_) return;
+    std::unique_lock lk(mu_);
+    drained_.wait(lk, [&] { return !started_ || running_; });
+    lk.release();  // unlocked by release_after_fork
+  }
+  void release_after_fork(pid_t forker) {
+    if (forker == owner_) mu_.unlock();
+  }
   pid_t owner() const { return owner_; }
   std::uint64_t total_dropped() const { return total_dropped_.load(std::memory_order_relaxed); }
 
@@ -91,6 +109,7 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
   void run() {
     std::deque<std::string> batch;
     std::unique_lock lk(mu_);
+    running_ = true;
     for (;;) {
       idle_ = true;
       drained_.notify_all();
@@ -99,15 +118,17 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
       batch.swap(queue_);
       queued_bytes_ = 0;
       const std::uint64_t dropped = std::exchange(dropped_, 0);
+      std::string note;
+      if (dropped) note = fmt::format("spindle: dropped {} log line(s): stderr is not keeping up\n", dropped);
       writing_ = true;
+      // Outside the lock this thread only calls write(2): it allocates and
+      // frees under mu_, so a fork (which holds mu_, see hold_for_fork) never
+      // copies an allocator lock this thread held into the child.
       lk.unlock();
       for (const std::string& line : batch) write_fully(line.data(), line.size());
-      batch.clear();
-      if (dropped) {
-        std::string note = fmt::format("spindle: dropped {} log line(s): stderr is not keeping up\n", dropped);
-        write_fully(note.data(), note.size());
-      }
+      write_fully(note.data(), note.size());
       lk.lock();
+      batch.clear();
       writing_ = false;
     }
   }
@@ -120,13 +141,28 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
   std::size_t queued_bytes_ = 0;
   std::uint64_t dropped_ = 0;
   std::atomic<std::uint64_t> total_dropped_{0};
-  bool started_ = false, idle_ = false, writing_ = false;
+  bool started_ = false, running_ = false, idle_ = false, writing_ = false;
 };
 
 // The sink of the process that made it; never freed (a detached writer thread
 // and leaked loggers use it until exit). An atomic, not a mutex: a child
 // forked while another thread was here must not find a lock held forever.
 std::atomic<AsyncStderrSink*> g_sink{nullptr};
+
+// Which process the prepare handler ran in (the parent's pid, also seen by
+// the child, whose getpid() differs) and the sink it held.
+pid_t g_forker = 0;
+AsyncStderrSink* g_held = nullptr;
+
+void sink_prepare() {
+  g_held = g_sink.load(std::memory_order_acquire);
+  g_forker = ::getpid();
+  if (g_held) g_held->hold_for_fork();
+}
+void sink_after_fork() {
+  if (g_held) g_held->release_after_fork(g_forker);
+  g_held = nullptr;
+}
 
 void drain_at_exit() {
   AsyncStderrSink* s = g_sink.load(std::memory_order_acquire);
@@ -135,9 +171,20 @@ void drain_at_exit() {
 
 }  // namespace
 
+void install_log_fork_guard() {
+  static const int rc = pthread_atfork(sink_prepare, sink_after_fork, sink_after_fork);
+  if (rc != 0) {
+    std::string line = fmt::format("spindle: pthread_atfork for the log sink failed: {}\n", errno_text(rc));
+    write_fully(line.data(), line.size());
+  }
+}
+
 std::shared_ptr<spdlog::sinks::sink> stderr_sink() {
   static std::once_flag hook;
-  std::call_once(hook, [] { std::atexit(drain_at_exit); });
+  std::call_once(hook, [] {
+    std::atexit(drain_at_exit);
+    install_log_fork_guard();
+  });
   AsyncStderrSink* s = g_sink.load(std::memory_order_acquire);
   while (!s || s->owner() != ::getpid()) {
     auto* mine = new AsyncStderrSink();

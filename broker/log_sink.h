@@ -8,7 +8,9 @@
 // the broker thread nothing and loses nothing silently. Nothing is written
 // under the queue's lock.
 //
-// Fork: the writer thread does not exist in a forked child. A child that logs
+// Fork: the writer thread does not exist in a forked child, and it is held
+// out of malloc/free (which it calls only under the queue's lock) during the
+// fork, so that it leaves no allocator lock held in the child. A child that logs
 // before it calls reset_logging_after_fork() (which builds a new sink) writes
 // its lines directly; the process id tells which case applies.
 // At exit, an atexit hook gives the writer up to one second to drain.
@@ -26,6 +28,13 @@ namespace spindle {
 
 // This process's stderr sink (made once per process id).
 std::shared_ptr<spdlog::sinks::sink> stderr_sink();
+
+// Installs (once) the pthread_atfork handlers that keep the sink's writer
+// thread out of the allocator while the process forks. stderr_sink() calls it;
+// the services' fork guard calls it before installing its own, so that the
+// pools are quiesced before the sink is held (prepare handlers run in reverse
+// order of installation), and a worker that is logging can finish.
+void install_log_fork_guard();
 
 // How many lines the stderr sink of this process has dropped so far.
 std::uint64_t stderr_lines_dropped();

@@ -40,10 +40,9 @@ int child_main(spindle::ChildEnv& env) {
   env.serve();
   return 0;
 }
-}  // namespace
 
-int main() {
-  spindle::set_log_level_from_env();
+// Forks the children, calls them, and stops them; 0 if all exited cleanly.
+int run() {
   spindle::Broker broker;
   spindle::RouterOptions opts;
   opts.name = "parent";
@@ -75,4 +74,15 @@ int main() {
     if (!st || *st != 0) ++failures;
   }
   return failures == 0 ? 0 : 1;
+}
+}  // namespace
+
+int main() {
+  spindle::set_log_level_from_env();
+  try {
+    return run();
+  } catch (const std::exception& e) {  // a child that died or never came up
+    std::fprintf(stderr, "parent_child: %s\n", e.what());
+    return 1;
+  }
 }

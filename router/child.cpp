@@ -120,7 +120,9 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
 // moment of the fork: not malloc's, not a sanitizer allocator's (GCC 12's ASan
 // does not reset its allocator locks in the child: a child hung creating its
 // broker thread), not spdlog's, not ours. The thread calling this is the one
-// that forks, so it holds none either; other application threads are the
+// that forks, so it holds none either. Spindle's own other threads are held
+// by pthread_atfork handlers: the log writer (broker/log_sink.h) and the
+// service pools (services/fork.h). Other application threads are the
 // application's to quiesce.
 pid_t fork_quiesced(Broker& broker) {
   if (broker.on_broker_thread()) return ::fork();

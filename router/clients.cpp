@@ -30,7 +30,7 @@ std::shared_ptr<Stream> Router::add_client_stream(int fd, const std::string& nam
     return nullptr;
   }
   StreamOptions so = stream_options(name);
-  so.drop_stalled_reader = true;  // any client may be hostile (docs/PROTOCOL.md §14)
+  so.untrusted = true;  // any client may be hostile (docs/PROTOCOL.md §14)
   auto s = Stream::create(broker_, fd, fd, std::move(so), std::move(handshake), this);
   Link& l = register_link(s, StreamRole::kChild, 0, name);
   l.client = opts;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the libFuzzer targets (fuzz/fuzz_*.cpp, clang, ASan+UBSan) in
 # build-fuzz/ and run each from its seed corpus (fuzz/corpus/<target>/).
-#   scripts/fuzz.sh                  every target for 20 s (the CI run)
+#   scripts/fuzz.sh                  every target for 20 s (the CI run),
+#                                    SPINDLE_JOBS (2) targets at a time
 #   scripts/fuzz.sh --long [SECONDS] every target for SECONDS (default 3600)
 #   scripts/fuzz.sh [...] TARGET...  only these targets (e.g. fuzz_parser)
 # New inputs go to build-fuzz/corpus/<target>/ (not into the repo); a crash
@@ -35,24 +36,39 @@ cmake --build "$builddir" -j"${SPINDLE_JOBS:-2}" --target "${targets[@]}"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 
-declare -A EXECS=() STATUS=()
-failed=0
-for t in "${targets[@]}"; do
-  corpus="$builddir/corpus/$t"
+# One target per core at a time: each libFuzzer run is single-threaded.
+run_target() {
+  local t="$1" corpus="$builddir/corpus/$1" log="$builddir/$1.log"
   mkdir -p "$corpus" "$builddir/artifacts"
-  log="$builddir/$t.log"
   echo "fuzz: $t for ${seconds} s"
   # -max_len bounds one input; -timeout flags a hang; -rss_limit_mb a blow-up.
   if "$builddir/fuzz/$t" -max_total_time="$seconds" -max_len=4096 -timeout=60 \
        -rss_limit_mb=2560 -print_final_stats=1 -artifact_prefix="$builddir/artifacts/$t-" \
        "$corpus" "fuzz/corpus/$t" >"$log" 2>&1; then
-    STATUS[$t]=ok
+    echo ok >"$builddir/$t.status"
   else
-    STATUS[$t]=FAILED
-    failed=1
-    tail -n 60 "$log" >&2
+    echo FAILED >"$builddir/$t.status"
   fi
-  EXECS[$t]="$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo '?')"
+}
+
+parallel="${SPINDLE_JOBS:-2}"
+for t in "${targets[@]}"; do
+  rm -f "$builddir/$t.status"
+  while [[ $(jobs -rp | wc -l) -ge $parallel ]]; do wait -n || true; done
+  run_target "$t" &
+done
+wait
+
+declare -A EXECS=() STATUS=()
+failed=0
+for t in "${targets[@]}"; do
+  STATUS[$t]="$(cat "$builddir/$t.status" 2>/dev/null || echo FAILED)"
+  if [[ "${STATUS[$t]}" != ok ]]; then
+    failed=1
+    echo "fuzz: $t failed; the end of its log:" >&2
+    tail -n 60 "$builddir/$t.log" >&2
+  fi
+  EXECS[$t]="$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$builddir/$t.log" | grep -oE '[0-9]+$' || echo '?')"
 done
 
 echo

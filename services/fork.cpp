@@ -16,6 +16,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/log_sink.h"
 #include "services/lanes.h"
 
 namespace spindle::services::fork_guard {
@@ -68,6 +69,9 @@ void in_child() {
 }
 
 void install_once() {
+  // The log sink's handlers first, so that they run after ours in prepare:
+  // the pools are quiesced before the log is held (see log_sink.h).
+  install_log_fork_guard();
   static const int rc = pthread_atfork(prepare, in_parent, in_child);
   if (rc != 0) log().error("pthread_atfork failed: {}; fork() while a pool is busy is unsafe", errno_text(rc));
 }

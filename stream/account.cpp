@@ -70,6 +70,20 @@ bool Account::try_charge(std::size_t n) {
   return true;
 }
 
+bool Account::try_charge_within(std::size_t n) {
+  // The budget is checked, then charged: accounts charging at once from two
+  // threads could each pass the check. A router's streams all adopt their
+  // memfds on its broker thread, one after another, so for them it is exact.
+  if (budget_ && budget_->held() + n > budget_->limit()) return false;
+  std::size_t cur = held_.load(std::memory_order_relaxed);
+  do {
+    if (cur + n > limit_) return false;
+  } while (!held_.compare_exchange_weak(cur, cur + n, std::memory_order_relaxed));
+  raise_peak(peak_, cur + n);
+  if (budget_) budget_->add(n);
+  return true;
+}
+
 void Account::release(std::size_t n) {
   if (n == 0) return;
   std::size_t now = held_.fetch_sub(n, std::memory_order_relaxed) - n;

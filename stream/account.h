@@ -77,6 +77,10 @@ class Account {
   // Succeeds unless the charge would put the account over its limit (an
   // empty account always admits one charge, so a single large message fits).
   bool try_charge(std::size_t n);
+  // Succeeds only if, after it, neither this account nor the global budget is
+  // over its limit; no exception for an empty account (an untrusted peer's
+  // memfd body: one frame that could otherwise charge up to 4 GiB at once).
+  bool try_charge_within(std::size_t n);
   void release(std::size_t n);
 
   std::size_t held() const { return held_.load(std::memory_order_relaxed); }

@@ -85,7 +85,8 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::copy_of(const Payload& bytes) {
 }
 
 std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& error,
-                                                      std::shared_ptr<Account> account) {
+                                                      std::shared_ptr<Account> account,
+                                                      MemfdCharge how) {
   int seals = ::fcntl(fd.get(), F_GET_SEALS);
   if (seals < 0) {
     error = fmt::format("not a memfd (F_GET_SEALS: {})", errno_text(errno));
@@ -101,11 +102,20 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& 
     error = fmt::format("fstat(memfd): {}", errno_text(errno));
     return nullptr;
   }
-  auto m = std::make_shared<SealedMemfd>(std::move(fd), static_cast<std::size_t>(st.st_size));
+  const auto size = static_cast<std::size_t>(st.st_size);
   if (account) {
-    account->charge(m->size_);
-    m->charge_ = Charge(std::move(account), m->size_);
+    if (how == MemfdCharge::kAlways) {
+      account->charge(size);
+    } else if (!account->try_charge_within(size)) {
+      const auto& b = account->budget();
+      error = fmt::format("{} bytes do not fit the sender's memory allowance (it holds {} of its {} limit{})",
+                          size, account->held(), account->limit(),
+                          b ? fmt::format("; the router holds {} of {}", b->held(), b->limit()) : "");
+      return nullptr;
+    }
   }
+  auto m = std::make_shared<SealedMemfd>(std::move(fd), size);
+  if (account) m->charge_ = Charge(std::move(account), size);
   return m;
 }
 

@@ -32,6 +32,12 @@ inline constexpr std::size_t kDefaultMemfdThreshold = 1u << 20;
 // What a memfd must carry before it may leave the process or be accepted.
 inline constexpr int kRequiredSeals = 0x0002 | 0x0004 | 0x0008;  // SHRINK | GROW | WRITE
 
+// How a received memfd body is charged to its sender's Account.
+enum class MemfdCharge {
+  kAlways,        // in hand: charged even over the limit (back-pressure follows)
+  kWithinLimits,  // refused unless it fits the sender's and the global limit
+};
+
 class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
  public:
   // A new sealed memfd holding a copy of `bytes` (one pwritev, no mapping).
@@ -40,9 +46,12 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   // Checks a received fd: a memfd whose size is sealed and whose contents are
   // write-sealed. Returns nullptr and sets `error` if it is not. Its size is
   // charged to `account` (if any) for as long as it lives: a peer's memfd
-  // body costs it its mapped size, whether or not it is ever mapped.
+  // body costs it its mapped size, whether or not it is ever mapped. With
+  // kWithinLimits, a body that does not fit the account's allowance is
+  // refused the same way (an untrusted peer; see StreamOptions::untrusted).
   static std::shared_ptr<const SealedMemfd> adopt(UniqueFd fd, std::string& error,
-                                                   std::shared_ptr<Account> account = nullptr);
+                                                   std::shared_ptr<Account> account = nullptr,
+                                                   MemfdCharge how = MemfdCharge::kAlways);
 
   int fd() const { return fd_.get(); }
   std::size_t size() const { return size_; }

@@ -290,7 +290,7 @@ bool Stream::over_limit() {
 
 bool Stream::stalled() const {
   if (paused_) return true;
-  return opts_.drop_stalled_reader && port_->gauge.queued() > port_->gauge.high_water_mark();
+  return opts_.untrusted && port_->gauge.queued() > port_->gauge.high_water_mark();
 }
 
 void Stream::arm_stall_timer() {

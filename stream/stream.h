@@ -117,10 +117,17 @@ struct StreamOptions {
   // A peer over its memory limit whose own output makes no progress for this
   // long is disconnected (0: never).
   std::chrono::milliseconds stall_timeout{10000};
-  // Also disconnect a peer that takes nothing from a queue over the
-  // high-water mark for stall_timeout, even if it sends nothing (a router's
-  // clients: a trusted child that is merely slow is waited for).
-  bool drop_stalled_reader = false;
+  // A peer that may be hostile (a router's listener clients; a parent or a
+  // child is trusted). Two rules apply to it only:
+  // - it is disconnected when it takes nothing from a queue over the
+  //   high-water mark for stall_timeout, even if it sends nothing (a trusted
+  //   child that is merely slow is waited for);
+  // - a memfd body it sends must fit its memory allowance when it arrives
+  //   (its own limit and the router's global one), or it is refused with a
+  //   dead reply: one frame could otherwise charge it (and the router) up to
+  //   the maximum message size at once. A trusted link may send one body
+  //   larger than its limit, as any message (Account::try_charge).
+  bool untrusted = false;
 };
 
 struct StreamStats {
@@ -203,7 +210,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void arm_read();
   void arm_write();
   void arm_stall_timer();
-  bool stalled() const;  // paused over the limit, or (drop_stalled_reader) output over the mark
+  bool stalled() const;  // paused over the limit, or (untrusted) output over the mark
   void note_queued();
   void do_read();
   ssize_t read_once(std::span<std::uint8_t> target);

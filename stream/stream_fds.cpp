@@ -106,7 +106,8 @@ bool Stream::bind_fds(Message& m) {
   }
   if (prefix->memfd_body()) {
     std::string err;
-    auto body = SealedMemfd::adopt(std::move(batch.fds.front()), err, account_);
+    auto body = SealedMemfd::adopt(std::move(batch.fds.front()), err, account_,
+                                   opts_.untrusted ? MemfdCharge::kWithinLimits : MemfdCharge::kAlways);
     batch.fds.erase(batch.fds.begin());
     if (body && body->size() > opts_.max_message_size)
       err = fmt::format("message too large: {} bytes exceeds the maximum of {}", body->size(),

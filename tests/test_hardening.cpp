@@ -165,7 +165,7 @@ std::vector<std::uint8_t> memfd_frame(std::uint32_t dst, std::uint32_t src, std:
 // known: sparse 100 MiB bodies to an unknown handle and to ping cost the router
 // no memory (before the fix each was mapped with MAP_POPULATE first).
 TEST_F(Hardening, MemfdBodyToAnUnknownHandleIsNeverMapped) {
-  start();
+  start({"--peer-memory-limit", "256M"});  // each body fits the allowance
   RawPeer p = raw_client(kFlagFdPassing);
   const long before = rss_kib();
   for (std::uint32_t i = 0; i < 8; ++i) {
@@ -187,7 +187,7 @@ TEST_F(Hardening, MemfdBodyToAnUnknownHandleIsNeverMapped) {
 // nothing, the router holds a window, not the body.
 TEST_F(Hardening, SparseMemfdToAnFdlessPeerIsStreamedInBoundedPieces) {
   // (A long stall timeout: this peer reads only at the end, on purpose.)
-  start({"--max-message-size", "128M", "--stall-timeout", "120s"});
+  start({"--max-message-size", "128M", "--stall-timeout", "120s", "--peer-memory-limit", "512M"});
   RawPeer mito = RawPeer::connect_to(address());
   const std::uint32_t mito_id = mito.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
   RawPeer p = raw_client(kFlagFdPassing);
@@ -209,6 +209,68 @@ TEST_F(Hardening, SparseMemfdToAnFdlessPeerIsStreamedInBoundedPieces) {
   ASSERT_EQ(m.data.size(), 120u << 20) << m.text();
   auto c = m.data.contiguous();
   EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](std::uint8_t b) { return b == 0; }));
+}
+
+// §1: a listener client's memfd body must fit its memory allowance when it
+// arrives. Before, one sparse frame charged it (and the router) the body's
+// whole size at once, whatever the limits: the hostile bench's memfd senders
+// took the router's accounted peak to twice its global limit. A body over the
+// client's own limit, or over what is left of the global one, is refused with
+// the reason; the connection stays, and a body that fits goes through.
+TEST_F(Hardening, AClientsMemfdBodyMustFitItsMemoryAllowance) {
+  start({"--peer-memory-limit", "16M", "--memory-limit", "24M", "--stall-timeout", "60s"});
+  // A Mitogen client that reads nothing: a body sent to it stays queued,
+  // streamed inline, charged to its sender.
+  RawPeer mito = RawPeer::connect_to(address());
+  const std::uint32_t mito_id = mito.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
+  auto send_body = [&](RawPeer& from, std::uint32_t from_id, std::size_t size, std::uint32_t dst,
+                       std::uint32_t handle, std::uint32_t reply_to) {
+    UniqueFd body = sparse_memfd(size);
+    int raw = body.get();
+    return send_with_fds(from.fd, memfd_frame(dst, from_id, handle, reply_to, kEncMitogen),
+                         std::span<const int>(&raw, 1));
+  };
+  auto dead_reply_text = [&](RawPeer& p, std::uint32_t id, std::uint32_t reply_to) {
+    Message d;
+    if (!p.read_frame_for(id, reply_to, d, 20s)) return std::string("(no reply)");
+    return d.header.is_dead() ? d.text() : std::string("(not a dead reply)");
+  };
+  const std::string kDoesNotFit = "do not fit the sender's memory allowance";
+
+  // 1. Over the client's own limit: refused, and the client is still served.
+  RawPeer a = raw_client(kFlagFdPassing);
+  const std::uint32_t a_id = id_;
+  ASSERT_TRUE(send_body(a, a_id, 20u << 20, mito_id, 4321, 61));
+  std::string why = dead_reply_text(a, a_id, 61);
+  EXPECT_NE(why.find(fdreason::kBadMemfd), std::string::npos) << why;
+  EXPECT_NE(why.find(kDoesNotFit), std::string::npos) << why;
+  EXPECT_NE(why.find("of its 16777216 limit"), std::string::npos) << why;
+
+  // 2. Within it: accepted, queued for the non-reader, charged to a.
+  ASSERT_TRUE(send_body(a, a_id, 12u << 20, mito_id, 4321, 0));
+  ASSERT_TRUE(eventually([&] {
+    return stats_field(router_stats_text(socket()), " memory_held=") >= (12 << 20);
+  }, 20s));
+
+  // 3. Another client's body that fits its own limit but not what is left of
+  //    the router's global one (24 MiB, 12 of it held): refused.
+  RawPeer b = raw_client(kFlagFdPassing);
+  const std::uint32_t b_id = id_;
+  ASSERT_TRUE(send_body(b, b_id, 14u << 20, mito_id, 4321, 62));
+  why = dead_reply_text(b, b_id, 62);
+  EXPECT_NE(why.find(kDoesNotFit), std::string::npos) << why;
+  EXPECT_NE(why.find("the router holds"), std::string::npos) << why;
+  // ...while a small one from it still fits (to an unknown handle of the
+  // router: its dead reply names that, not the allowance).
+  ASSERT_TRUE(send_body(b, b_id, 4u << 20, 0, 4000, 63));
+  why = dead_reply_text(b, b_id, 63);
+  EXPECT_EQ(why.find(kDoesNotFit), std::string::npos) << why;
+  EXPECT_NE(why, "(no reply)");
+
+  const long long charged = memory_peak();
+  std::printf("router memory_peak %lld bytes (global limit 24 MiB)\n", charged);
+  EXPECT_LE(charged, (24 << 20) + (1 << 20)) << "memfd bodies took the router over its global limit";
+  expect_served("memfd bodies over the allowance");
 }
 
 // §1: a client that takes nothing of a queue over its high-water mark is
