@@ -94,28 +94,6 @@ inline bool drain(int fd) {
   }
 }
 
-// A sealed, sparse memfd of `size` bytes: nothing in it is ever touched.
-inline UniqueFd sparse_memfd(std::size_t size) {
-  UniqueFd fd(::memfd_create("hostile-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (fd.get() < 0) throw Error(std::string("memfd_create: ") + errno_text(errno));
-  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0)
-    throw Error(std::string("ftruncate: ") + errno_text(errno));
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
-    throw Error(std::string("F_ADD_SEALS: ") + errno_text(errno));
-  return fd;
-}
-
-// An SF frame whose body is the memfd attached to it (docs/PROTOCOL.md §13).
-inline std::string memfd_frame(std::uint32_t dst, std::uint32_t src) {
-  Header h = testutil::frame(dst, src, src, kAnyHandle, 0, kEncFds);
-  h.length = kFdPrefixSize;
-  HeaderBytes hb = encode_header(h);
-  auto prefix = encode_fd_prefix(FdPrefix{kEncMitogen, 1, kFdFlagMemfdBody});
-  std::string v(reinterpret_cast<const char*>(hb.data()), hb.size());
-  v.append(reinterpret_cast<const char*>(prefix.data()), prefix.size());
-  return v;
-}
-
 }  // namespace detail
 
 class Swarm {
@@ -245,8 +223,8 @@ class Swarm {
   // the swarm stops before the first byte went out (the caller looks again).
   bool send_memfd(testutil::RawPeer& src, testutil::RawPeer& mito, std::uint32_t mito_id,
                   std::uint32_t src_id, Counters& c) {
-    UniqueFd body = detail::sparse_memfd(c.frames.load() % 2 ? kSparseBody : kSmallSparseBody);
-    const std::string bytes = detail::memfd_frame(mito_id, src_id);
+    UniqueFd body = testutil::sparse_memfd(c.frames.load() % 2 ? kSparseBody : kSmallSparseBody);
+    const auto bytes = testutil::memfd_frame(mito_id, src_id, kAnyHandle, 0, kEncMitogen);
     std::size_t off = 0;
     while (off < bytes.size()) {
       // Once a frame is part-written it is finished, or the stream is garbage
@@ -256,7 +234,7 @@ class Swarm {
       ssize_t n;
       if (off == 0) {
         int fd = body.get();
-        iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+        iovec iov{const_cast<std::uint8_t*>(bytes.data()), bytes.size()};
         alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
         msghdr mh{};
         mh.msg_iov = &iov;

@@ -12,7 +12,9 @@
 // handed to a router, belongs to it.
 #pragma once
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -29,6 +31,8 @@
 #include "router/router.h"
 #include "router/unix_address.h"
 #include "stream/byte_order.h"
+#include "stream/fd_frame.h"
+#include "stream/fds.h"
 #include "stream/frame.h"
 #include "stream/handshake.h"
 #include "stream/listener_handshake.h"
@@ -47,6 +51,31 @@ inline Header frame(std::uint32_t dst, std::uint32_t src, std::uint32_t auth, st
   h.handle = handle;
   h.reply_to = reply_to;
   return h;
+}
+
+// A sealed, sparse memfd of `size` bytes: nothing in it is ever touched, so
+// it costs nothing to make whatever size it claims. Throws Error.
+inline UniqueFd sparse_memfd(std::size_t size) {
+  UniqueFd fd(::memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (fd.get() < 0) throw Error(std::string("memfd_create: ") + errno_text(errno));
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0)
+    throw Error(std::string("ftruncate(memfd): ") + errno_text(errno));
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
+    throw Error(std::string("F_ADD_SEALS: ") + errno_text(errno));
+  return fd;
+}
+
+// The bytes of an SF frame whose body is the one memfd sent with them
+// (docs/PROTOCOL.md §13): header and fd prefix, no inline body.
+inline std::vector<std::uint8_t> memfd_frame(std::uint32_t dst, std::uint32_t src, std::uint32_t handle,
+                                             std::uint32_t reply_to, std::uint16_t body_enc = kEncRaw) {
+  Header h = frame(dst, src, src, handle, reply_to, kEncFds);
+  h.length = kFdPrefixSize;
+  HeaderBytes hb = encode_header(h);
+  auto prefix = encode_fd_prefix(FdPrefix{body_enc, 1, kFdFlagMemfdBody});
+  std::vector<std::uint8_t> v(hb.begin(), hb.end());
+  v.insert(v.end(), prefix.begin(), prefix.end());
+  return v;
 }
 
 // A frame's bytes: its 26-byte header (length = body size) and body.

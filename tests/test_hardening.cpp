@@ -141,26 +141,6 @@ TEST_F(Hardening, QueuedFramesAreChargedAtWhatTheyCostNotTheirPayload) {
   expect_served("a full queue");
 }
 
-// A sealed, sparse memfd of `size` bytes (nothing in it is ever touched).
-UniqueFd sparse_memfd(std::size_t size) {
-  UniqueFd fd(::memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  EXPECT_GE(fd.get(), 0);
-  EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(size)), 0);
-  EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL), 0);
-  return fd;
-}
-
-std::vector<std::uint8_t> memfd_frame(std::uint32_t dst, std::uint32_t src, std::uint32_t handle,
-                                      std::uint32_t reply_to, std::uint16_t body_enc = kEncRaw) {
-  Header h = frame(dst, src, src, handle, reply_to, kEncFds);
-  h.length = kFdPrefixSize;
-  HeaderBytes hb = encode_header(h);
-  auto prefix = encode_fd_prefix(FdPrefix{body_enc, 1, kFdFlagMemfdBody});
-  std::vector<std::uint8_t> v(hb.begin(), hb.end());
-  v.insert(v.end(), prefix.begin(), prefix.end());
-  return v;
-}
-
 // §1: a memfd body for the router itself is mapped only once its handler is
 // known: sparse 100 MiB bodies to an unknown handle and to ping cost the router
 // no memory (before the fix each was mapped with MAP_POPULATE first).
