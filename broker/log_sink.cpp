@@ -14,6 +14,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include <fmt/format.h>
@@ -103,8 +104,17 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
 
  private:
   void start_locked() {
-    started_ = true;
-    std::thread([this] { run(); }).detach();  // the sink is never freed
+    try {
+      std::thread([this] { run(); }).detach();  // the sink is never freed
+      started_ = true;
+    } catch (const std::system_error&) {
+      // No thread to be had (EAGAIN): write what is queued in place, and
+      // try again with the next line. started_ stays false, so a fork does
+      // not wait for a writer that does not exist.
+      for (const std::string& line : queue_) write_fully(line.data(), line.size());
+      queue_.clear();
+      queued_bytes_ = 0;
+    }
   }
   void run() {
     std::deque<std::string> batch;
@@ -150,9 +160,11 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
 std::atomic<AsyncStderrSink*> g_sink{nullptr};
 
 // Which process the prepare handler ran in (the parent's pid, also seen by
-// the child, whose getpid() differs) and the sink it held.
-pid_t g_forker = 0;
-AsyncStderrSink* g_held = nullptr;
+// the child, whose getpid() differs) and the sink it held. Per thread: the
+// three handlers of one fork run on the forking thread (the child's only
+// one), and two threads may fork at once.
+thread_local pid_t g_forker = 0;
+thread_local AsyncStderrSink* g_held = nullptr;
 
 void sink_prepare() {
   g_held = g_sink.load(std::memory_order_acquire);
