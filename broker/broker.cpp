@@ -113,8 +113,20 @@ void Broker::defer(std::function<void()> fn) {
   if (!try_defer(std::move(fn))) throw ShutdownError(std::string(errtext::kBrokerShutDown));
 }
 
+// wake() and on_waker() are the two halves of a Dekker pair: the producer
+// stores its record (the outbox publishes with a plain release store) and then
+// loads wake_pending_; the loop stores wake_pending_ = false and then loads the
+// records. Without a full fence between each side's store and its load, both
+// loads may run before the other side's store is visible (x86 reorders a store
+// with a later load through its store buffer): the producer sees a wake-up
+// still pending and skips its own, the loop sees no record, and the record
+// waits in the outbox while the loop sleeps. bench_services' call section hung
+// that way (a call's request stuck in the outbox; see
+// ServicesCalls.BackToBackCallsNeverStrandARequestInTheOutbox).
+// Both fences are needed; the producer's costs one mfence per send.
 void Broker::wake() {
-  if (wake_pending_.load(std::memory_order_acquire) || wake_pending_.exchange(true)) return;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (wake_pending_.load(std::memory_order_relaxed) || wake_pending_.exchange(true)) return;
   wakeups_.fetch_add(1, std::memory_order_relaxed);
   std::uint64_t one = 1;
   ssize_t n;
@@ -137,8 +149,10 @@ void Broker::on_waker() {
   std::uint64_t count;
   while (::read(wake_fd_, &count, sizeof count) < 0 && errno == EINTR) {
   }
-  // Off before draining: whatever is queued from here on brings a new wake.
-  wake_pending_.store(false);
+  // Off before draining: whatever is queued from here on brings a new wake
+  // (the fence: see wake()).
+  wake_pending_.store(false, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   // The sinks (the router's outbox) first, and again before each deferred
   // function: a thread that sends and then asks for something else (a
   // shutdown) has its messages handled first.

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -166,6 +167,32 @@ TEST(ServicesCalls, DelayedCallErrorAndDroppedReply) {
   }
   std::string r = dead_reason([&] { services::call(rig.self, "later", "drop"); });
   EXPECT_TRUE(contains(r, services::reason::kNoReply)) << r;
+}
+
+// Back-to-back calls, each sent as soon as the previous one completed, on
+// fresh rigs (the shape of bench_services' call section): requests and the
+// workers' replies go through the outbox and wake the broker while it may be
+// clearing an earlier wake-up. A lost wake-up (the store/load race that
+// Broker::wake() fences against) leaves a record in the outbox with the
+// broker asleep, and with no other traffic to wake it that call never
+// completes. Before the fix bench_services hung so within a few thousand
+// calls. It is a race: this finds it often, not always. Each call gets 10 s,
+// so a stranded one fails the test instead of hanging it.
+TEST(ServicesCalls, BackToBackCallsNeverStrandARequestInTheOutbox) {
+  int stranded = 0;
+  for (int round = 0; round < 60 && stranded == 0; ++round) {
+    ServiceRig rig(1 + round % 2);
+    rig.add(sample_service());
+    std::thread caller([&] {
+      for (int i = 0; i < 400 && stranded == 0; ++i) {
+        const std::string text = std::to_string(round) + ":" + std::to_string(i);
+        auto f = services::call_async(rig.self, "sample", "echo", Payload::copy_of(text));
+        if (f.wait_for(10s) != std::future_status::ready || f.get().text() != text) ++stranded;
+      }
+    });
+    caller.join();
+  }
+  EXPECT_EQ(stranded, 0) << "a call never completed: its request or reply was left in the outbox";
 }
 
 TEST(ServicesCalls, DuplicateServiceOrMethodIsRefused) {
