@@ -39,6 +39,22 @@ class Hardening : public RouterFixture {
   long rss_kib() const { return vm_rss_kib(router_->pid()); }
   // The most the router's accounts ever held at once (all peers together).
   long long memory_peak() const { return stats_field(router_stats_text(socket()), " memory_peak="); }
+  // A Mitogen-dialect client (it cannot take fds); its id in `id`.
+  RawPeer mitogen_client(std::uint32_t& id) {
+    RawPeer p = RawPeer::connect_to(address());
+    id = p.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
+    return p;
+  }
+  // Sends, from `from` (context `src`), one SF frame whose body is a fresh
+  // sealed sparse memfd of `size` bytes. False if the send failed.
+  static bool send_sparse_memfd(RawPeer& from, std::uint32_t src, std::size_t size, std::uint32_t dst,
+                                std::uint32_t handle, std::uint32_t reply_to,
+                                std::uint16_t body_enc = kEncMitogen) {
+    UniqueFd body = sparse_memfd(size);
+    int raw = body.get();
+    return send_with_fds(from.fd, memfd_frame(dst, src, handle, reply_to, body_enc),
+                         std::span<const int>(&raw, 1));
+  }
   // The router's log lines that contain `needle`.
   std::vector<std::string> lines_with(std::string_view needle) const {
     std::vector<std::string> out;
@@ -149,9 +165,7 @@ TEST_F(Hardening, MemfdBodyToAnUnknownHandleIsNeverMapped) {
   RawPeer p = raw_client(kFlagFdPassing);
   const long before = rss_kib();
   for (std::uint32_t i = 0; i < 8; ++i) {
-    UniqueFd body = sparse_memfd(100u << 20);
-    int raw = body.get();
-    ASSERT_TRUE(send_with_fds(p.fd, memfd_frame(0, id_, 4000 + i, 50 + i), std::span<const int>(&raw, 1)));
+    ASSERT_TRUE(send_sparse_memfd(p, id_, 100u << 20, 0, 4000 + i, 50 + i, kEncRaw));
     Message d;
     ASSERT_TRUE(p.read_frame_for(id_, 50 + i, d, 20s));
     EXPECT_TRUE(d.header.is_dead());
@@ -168,15 +182,11 @@ TEST_F(Hardening, MemfdBodyToAnUnknownHandleIsNeverMapped) {
 TEST_F(Hardening, SparseMemfdToAnFdlessPeerIsStreamedInBoundedPieces) {
   // (A long stall timeout: this peer reads only at the end, on purpose.)
   start({"--max-message-size", "128M", "--stall-timeout", "120s", "--peer-memory-limit", "512M"});
-  RawPeer mito = RawPeer::connect_to(address());
-  const std::uint32_t mito_id = mito.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
+  std::uint32_t mito_id = 0;
+  RawPeer mito = mitogen_client(mito_id);
   RawPeer p = raw_client(kFlagFdPassing);
   const long before = rss_kib();
-  for (std::uint32_t i = 0; i < 4; ++i) {
-    UniqueFd body = sparse_memfd(120u << 20);
-    int raw = body.get();
-    ASSERT_TRUE(send_with_fds(p.fd, memfd_frame(mito_id, id_, 4321, 0, kEncMitogen), std::span<const int>(&raw, 1)));
-  }
+  for (std::uint32_t i = 0; i < 4; ++i) ASSERT_TRUE(send_sparse_memfd(p, id_, 120u << 20, mito_id, 4321, 0));
   // Give the router time to (wrongly) map and queue everything, then measure.
   ASSERT_TRUE(eventually([&] { return router_counts(socket()).clients >= 3; }, 10s));
   expect_served("four sparse 120 MiB memfds for an fd-less peer");
@@ -201,15 +211,8 @@ TEST_F(Hardening, AClientsMemfdBodyMustFitItsMemoryAllowance) {
   start({"--peer-memory-limit", "16M", "--memory-limit", "24M", "--stall-timeout", "60s"});
   // A Mitogen client that reads nothing: a body sent to it stays queued,
   // streamed inline, charged to its sender.
-  RawPeer mito = RawPeer::connect_to(address());
-  const std::uint32_t mito_id = mito.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
-  auto send_body = [&](RawPeer& from, std::uint32_t from_id, std::size_t size, std::uint32_t dst,
-                       std::uint32_t handle, std::uint32_t reply_to) {
-    UniqueFd body = sparse_memfd(size);
-    int raw = body.get();
-    return send_with_fds(from.fd, memfd_frame(dst, from_id, handle, reply_to, kEncMitogen),
-                         std::span<const int>(&raw, 1));
-  };
+  std::uint32_t mito_id = 0;
+  RawPeer mito = mitogen_client(mito_id);
   auto dead_reply_text = [&](RawPeer& p, std::uint32_t id, std::uint32_t reply_to) {
     Message d;
     if (!p.read_frame_for(id, reply_to, d, 20s)) return std::string("(no reply)");
@@ -220,14 +223,14 @@ TEST_F(Hardening, AClientsMemfdBodyMustFitItsMemoryAllowance) {
   // 1. Over the client's own limit: refused, and the client is still served.
   RawPeer a = raw_client(kFlagFdPassing);
   const std::uint32_t a_id = id_;
-  ASSERT_TRUE(send_body(a, a_id, 20u << 20, mito_id, 4321, 61));
+  ASSERT_TRUE(send_sparse_memfd(a, a_id, 20u << 20, mito_id, 4321, 61));
   std::string why = dead_reply_text(a, a_id, 61);
   EXPECT_NE(why.find(fdreason::kBadMemfd), std::string::npos) << why;
   EXPECT_NE(why.find(kDoesNotFit), std::string::npos) << why;
   EXPECT_NE(why.find("of its 16777216 limit"), std::string::npos) << why;
 
   // 2. Within it: accepted, queued for the non-reader, charged to a.
-  ASSERT_TRUE(send_body(a, a_id, 12u << 20, mito_id, 4321, 0));
+  ASSERT_TRUE(send_sparse_memfd(a, a_id, 12u << 20, mito_id, 4321, 0));
   ASSERT_TRUE(eventually([&] {
     return stats_field(router_stats_text(socket()), " memory_held=") >= (12 << 20);
   }, 20s));
@@ -236,13 +239,13 @@ TEST_F(Hardening, AClientsMemfdBodyMustFitItsMemoryAllowance) {
   //    the router's global one (24 MiB, 12 of it held): refused.
   RawPeer b = raw_client(kFlagFdPassing);
   const std::uint32_t b_id = id_;
-  ASSERT_TRUE(send_body(b, b_id, 14u << 20, mito_id, 4321, 62));
+  ASSERT_TRUE(send_sparse_memfd(b, b_id, 14u << 20, mito_id, 4321, 62));
   why = dead_reply_text(b, b_id, 62);
   EXPECT_NE(why.find(kDoesNotFit), std::string::npos) << why;
   EXPECT_NE(why.find("the router holds"), std::string::npos) << why;
   // ...while a small one from it still fits (to an unknown handle of the
   // router: its dead reply names that, not the allowance).
-  ASSERT_TRUE(send_body(b, b_id, 4u << 20, 0, 4000, 63));
+  ASSERT_TRUE(send_sparse_memfd(b, b_id, 4u << 20, 0, 4000, 63));
   why = dead_reply_text(b, b_id, 63);
   EXPECT_EQ(why.find(kDoesNotFit), std::string::npos) << why;
   EXPECT_NE(why, "(no reply)");
@@ -259,12 +262,10 @@ TEST_F(Hardening, AClientsMemfdBodyMustFitItsMemoryAllowance) {
 // memfd body charged to its sender, is not held forever.
 TEST_F(Hardening, AClientThatNeverReadsItsFullQueueIsDropped) {
   start({"--max-message-size", "64M", "--high-water-mark", "1M", "--stall-timeout", "1s"});
-  RawPeer mito = RawPeer::connect_to(address());
-  const std::uint32_t mito_id = mito.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
+  std::uint32_t mito_id = 0;
+  RawPeer mito = mitogen_client(mito_id);
   RawPeer p = raw_client(kFlagFdPassing);
-  UniqueFd body = sparse_memfd(32u << 20);
-  int raw = body.get();
-  ASSERT_TRUE(send_with_fds(p.fd, memfd_frame(mito_id, id_, 4321, 0, kEncMitogen), std::span<const int>(&raw, 1)));
+  ASSERT_TRUE(send_sparse_memfd(p, id_, 32u << 20, mito_id, 4321, 0));
   ASSERT_TRUE(logged("took nothing of the")) << router_->log();
   // What the router had written before closing is read, then EOF (the body
   // is cut short, so RawPeer's frame-by-frame wait_eof does not apply).
