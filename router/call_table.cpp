@@ -244,9 +244,9 @@ void CallTable::expire(Clock::time_point now,
   }
 }
 
-void CallTable::fail_where(const std::function<bool(std::uint32_t)>& gone,
-                           const std::function<std::exception_ptr(std::uint32_t)>& why) {
-  if (pending() == 0) return;
+std::size_t CallTable::fail_where(const std::function<bool(std::uint32_t)>& gone,
+                                  const std::function<std::exception_ptr(std::uint32_t)>& why) {
+  if (pending() == 0) return 0;
   const std::uint32_t n = size_.load(std::memory_order_acquire);
   for (std::uint32_t i = 1; i < n; ++i) {
     Slot& s = chunks_[i / kChunk].load(std::memory_order_acquire)[i % kChunk];
@@ -256,6 +256,7 @@ void CallTable::fail_where(const std::function<bool(std::uint32_t)>& gone,
     std::uint32_t handle = make_handle(i, gen_of(w));
     if (claim(s, handle)) finish(s, i, Message{}, why(callee));
   }
+  return n;
 }
 
 }  // namespace spindle

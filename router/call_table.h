@@ -93,8 +93,9 @@ class CallTable {
   void expire(Clock::time_point now,
               const std::function<std::exception_ptr(std::uint32_t callee)>& on_timeout);
   // Fails every pending call whose callee `gone(callee)` says is gone: one
-  // pass over the open slots, whatever the number of gone contexts.
-  void fail_where(const std::function<bool(std::uint32_t callee)>& gone,
+  // pass over the open slots, whatever the number of gone contexts (none
+  // while no call is pending). Returns the slots it looked at.
+  std::size_t fail_where(const std::function<bool(std::uint32_t callee)>& gone,
                   const std::function<std::exception_ptr(std::uint32_t callee)>& why);
   std::size_t pending() const { return pending_.load(std::memory_order_relaxed); }
 

@@ -3,12 +3,13 @@
 // only), FORWARD_LOG (log lines of children), and ALLOCATE_ID (the root).
 //
 // Authority (docs/PROTOCOL.md §2.10): an id belongs to the link it was
-// allocated on. The root remembers which context asked for each id it hands
-// out, and accepts ADD_ROUTE for that id only from the link that reaches that
-// context, once: an id announced, or an id whose context has gone, can never
-// be claimed by anyone again. A non-root router cannot know who asked the
-// root, so it refuses only conflicts; the root, which every route reaches in
-// the end, enforces ownership.
+// allocated on. The root remembers, on the link that asked, each id it hands
+// out, and accepts ADD_ROUTE for that id only from that link, once: an id
+// announced, or an id whose link has gone, can never be claimed by anyone
+// again. The ids die with their link, so a departure costs only its own.
+// A non-root router cannot know who asked the root, so it refuses only
+// conflicts; the root, which every route reaches in the end, enforces
+// ownership.
 //
 // Everything a peer writes is logged escaped (one record stays one line) and
 // at a bounded rate per peer.
@@ -32,29 +33,17 @@ constexpr std::size_t kMaxPendingAllocations = 1024;
 void Router::allocate_for(Message&& m) {
   if (parent_id()) return send_dead(m.header, "ALLOCATE_ID must be sent to the root context");
   Link* via = m.header.src_id == id() ? nullptr : route_for(m.header.src_id);
-  if (via && via->pending_allocs >= kMaxPendingAllocations)
+  if (via && via->allocated.size() >= kMaxPendingAllocations)
     return send_dead(m.header, fmt::format("{}: {} ids allocated for stream {} are not announced yet",
-                                           reason::kRefusedByPolicy, via->pending_allocs,
+                                           reason::kRefusedByPolicy, via->allocated.size(),
                                            via->stream->name()));
   std::uint32_t next = next_id_.load();
   if (next == std::numeric_limits<std::uint32_t>::max())
     return send_dead(m.header, std::string(reason::kIdsExhausted));
   next_id_.store(next + 1);
-  if (via) {
-    allocated_by_.emplace(next, m.header.src_id);
-    ++via->pending_allocs;
-  }
+  if (via) via->allocated.insert(next);
   Message r = Message::reply_to(m, Payload::copy_of(std::to_string(next)), kEncMitogen);
   send_internal(std::move(r));
-}
-
-void Router::forget_allocations(Link& l) {
-  if (l.pending_allocs == 0) return;
-  for (auto it = allocated_by_.begin(); it != allocated_by_.end();) {
-    if (route_for(it->second) == &l || routes_.count(it->second) == 0) it = allocated_by_.erase(it);
-    else ++it;
-  }
-  l.pending_allocs = 0;
 }
 
 bool Router::accept_add_route(Link& in, std::uint32_t target) {
@@ -71,11 +60,7 @@ bool Router::accept_add_route(Link& in, std::uint32_t target) {
                               kMaxRoutesPerLink));
   if (!parent_) {
     // The root: only the link that asked for the id, and only once.
-    auto it = allocated_by_.find(target);
-    if (it == allocated_by_.end() || route_for(it->second) != &in)
-      return refuse(reason::kNotYourId);
-    allocated_by_.erase(it);
-    if (in.pending_allocs) --in.pending_allocs;
+    if (in.allocated.erase(target) == 0) return refuse(reason::kNotYourId);
   }
   return true;
 }

@@ -173,13 +173,14 @@ void Router::on_stream_invalid(Stream& s, const ParseResult& r) {
   }
 }
 
-void Router::contexts_gone(const std::vector<std::uint32_t>& gone, const std::string& why,
-                           Link* told_by) {
-  if (gone.empty()) return;
+std::size_t Router::contexts_gone(const std::vector<std::uint32_t>& gone, const std::string& why,
+                                  Link* told_by) {
+  if (gone.empty()) return 0;
   std::unordered_set<std::uint32_t> set(gone.begin(), gone.end());
   auto error = std::make_exception_ptr(ChannelError(why));
-  calls_.fail_where([&](std::uint32_t callee) { return set.count(callee) != 0; },
-                    [&](std::uint32_t) { return error; });
+  std::size_t steps = gone.size();
+  steps += calls_.fail_where([&](std::uint32_t callee) { return set.count(callee) != 0; },
+                             [&](std::uint32_t) { return error; });
   for (std::uint32_t id : gone) {
     std::vector<std::function<void(const std::string&)>> watchers;
     {
@@ -202,8 +203,10 @@ void Router::contexts_gone(const std::vector<std::uint32_t>& gone, const std::st
       talkers_.erase(t);
     }
     if (parent_) tell.insert(parent_);
+    steps += tell.size();
     announce(kHandleDelRoute, std::to_string(id), told_by, tell);
   }
+  return steps;
 }
 
 void Router::announce(std::uint32_t handle, const std::string& payload, Link* skip,
@@ -234,7 +237,8 @@ void Router::on_stream_closed(Stream& s, const std::string& why, Unsent unsent) 
     t->second.erase(link.get());
     if (t->second.empty()) talkers_.erase(t);
   }
-  forget_allocations(*link);
+  std::size_t steps = gone.size() + link->egress.size() + link->allocated.size() +
+                      unsent.wanting_reply.size() + unsent.originals.size();
   std::string detail = fmt::format("{}: {} ({})", reason::kPeerDisconnected, link->name, why);
   if (was_parent) {
     parent_up_.store(false, std::memory_order_release);  // logs go to stderr from here on
@@ -268,14 +272,17 @@ void Router::on_stream_closed(Stream& s, const std::string& why, Unsent unsent) 
   if (unsent.dead || unsent.other)
     log().info("stream={} closed with {} dead replies and {} other messages still queued for it: "
                "dropped ({})", s.name(), unsent.dead, unsent.other, why);
-  contexts_gone(gone, detail);
+  steps += contexts_gone(gone, detail);
   if (was_parent) {
     // Everything not routed through a child was reached via the parent.
     auto error = std::make_exception_ptr(ChannelError(detail));
-    calls_.fail_where([this](std::uint32_t callee) { return callee != id() && !routes_.count(callee); },
-                      [&](std::uint32_t) { return error; });
+    steps += calls_.fail_where(
+        [this](std::uint32_t callee) { return callee != id() && !routes_.count(callee); },
+        [&](std::uint32_t) { return error; });
     broker_.shutdown();  // a child does not outlive its parent link
   }
+  ++stats_.departures;
+  stats_.departure_steps += steps;
   maybe_drained();
 }
 

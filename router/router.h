@@ -117,6 +117,11 @@ struct ClientStats {
 
 struct RouterStats {
   std::uint64_t routed = 0, delivered_locally = 0, dead_replies = 0, dropped_logged = 0;
+  // Links that closed, and the entries their teardown visited: its routes,
+  // the contexts it sent to, the links told it has gone, its unsent messages
+  // and the pending-call slots scanned. A departure costs O(what it owned),
+  // never O(everything the router holds): this is how a test checks it.
+  std::uint64_t departures = 0, departure_steps = 0;
   std::size_t streams = 0, routes = 0, handlers = 0;
   std::size_t pending_calls = 0;
   std::size_t memory_held = 0, memory_peak = 0, memory_limit = 0;  // all peers together
@@ -225,7 +230,10 @@ class Router : public StreamListener, public ShutdownParticipant {
     Dialect dialect = Dialect::kSpindle;        // known once the handshake is done
     std::uint64_t port_serial = 0;
     bool dirty = false;                         // in dirty_: flushed at the batch's end
-    std::size_t pending_allocs = 0;             // ids allocated for it, not yet announced
+    // Root only: ids ALLOCATE_ID handed out for contexts behind this link and
+    // not yet announced. Only this link may announce them, once; they die
+    // with the link (an id whose link has gone can never be claimed).
+    std::unordered_set<std::uint32_t> allocated;
     LogBudget log_budget;
     std::uint64_t refusals = 0;                 // since the last summary line
     std::chrono::steady_clock::time_point refusal_logged_at{};
@@ -272,7 +280,6 @@ class Router : public StreamListener, public ShutdownParticipant {
   bool handle_control(Link& in, Message& m);  // control_handles.cpp
   void allocate_for(Message&& m);
   bool accept_add_route(Link& in, std::uint32_t target);
-  void forget_allocations(Link& l);
   void forward_log(Link& in, const Message& m);
   Header dead_header(const Header& about) const;
   void send_dead(const Header& about, std::string reason);
@@ -297,13 +304,13 @@ class Router : public StreamListener, public ShutdownParticipant {
   Link* link_of(const Stream& s);
   void add_route(std::uint32_t id, Link& via);
   void remove_route(std::uint32_t id);
-  void publish_routes();
   // Fails what waited on `ids`, fires their watchers and sends DEL_ROUTE to
   // the parent and to every link that talked to them, except `told_by`.
-  void contexts_gone(const std::vector<std::uint32_t>& ids, const std::string& reason,
+  // Returns the entries it visited (RouterStats::departure_steps).
+  std::size_t contexts_gone(const std::vector<std::uint32_t>& ids, const std::string& reason,
                      Link* told_by = nullptr);
   void context_gone(std::uint32_t id, const std::string& reason, Link* told_by = nullptr) {
-    contexts_gone(std::vector<std::uint32_t>{id}, reason, told_by);
+    (void)contexts_gone(std::vector<std::uint32_t>{id}, reason, told_by);
   }
   void announce(std::uint32_t handle, const std::string& payload, Link* skip,
                 const std::unordered_set<Link*>& to);
@@ -325,10 +332,6 @@ class Router : public StreamListener, public ShutdownParticipant {
   const std::uint64_t serial_;  // this router among all in the process (route caches)
   std::atomic<std::uint32_t> id_{0};
   std::atomic<std::uint32_t> next_id_{1};  // root only
-  // Root: ids handed out by ALLOCATE_ID and not yet announced, with the
-  // context that asked: only the link that reaches it may announce the id,
-  // once (an id whose context has gone can never be claimed again).
-  std::unordered_map<std::uint32_t, std::uint32_t> allocated_by_;
   std::atomic<bool> parent_up_{false};
   std::shared_ptr<MemoryBudget> budget_;
   std::shared_ptr<BudgetRelief> relief_;

@@ -3,7 +3,8 @@
 # build-fuzz/ and run each from its seed corpus (fuzz/corpus/<target>/).
 #   scripts/fuzz.sh                  every target for 20 s (the CI run),
 #                                    SPINDLE_JOBS (2) targets at a time
-#   scripts/fuzz.sh --long [SECONDS] every target for SECONDS (default 3600)
+#   scripts/fuzz.sh --long [SECONDS] every target for 10 M execs or SECONDS
+#                                    (default 3600), whichever comes first
 #   scripts/fuzz.sh [...] TARGET...  only these targets (e.g. fuzz_parser)
 # New inputs go to build-fuzz/corpus/<target>/ (not into the repo); a crash
 # leaves its input in build-fuzz/artifacts/ and fails the run. Prints the exec
@@ -14,9 +15,11 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 seconds="${SPINDLE_FUZZ_SECONDS:-20}"
+runs=-1  # libFuzzer's "no limit"
 if [[ "${1:-}" == "--long" ]]; then
   shift
   seconds=3600
+  runs=10000000
   if [[ "${1:-}" =~ ^[0-9]+$ ]]; then seconds="$1"; shift; fi
 fi
 
@@ -42,7 +45,7 @@ run_target() {
   mkdir -p "$corpus" "$builddir/artifacts"
   echo "fuzz: $t for ${seconds} s"
   # -max_len bounds one input; -timeout flags a hang; -rss_limit_mb a blow-up.
-  if "$builddir/fuzz/$t" -max_total_time="$seconds" -max_len=4096 -timeout=60 \
+  if "$builddir/fuzz/$t" -max_total_time="$seconds" -runs="$runs" -max_len=4096 -timeout=60 \
        -rss_limit_mb=2560 -print_final_stats=1 -artifact_prefix="$builddir/artifacts/$t-" \
        "$corpus" "fuzz/corpus/$t" >"$log" 2>&1; then
     echo ok >"$builddir/$t.status"
@@ -72,8 +75,11 @@ for t in "${targets[@]}"; do
 done
 
 echo
-echo "Fuzzing summary (${seconds} s each):"
+limit="${seconds} s"
+[[ $runs -gt 0 ]] && limit="$runs execs or ${seconds} s"
+echo "Fuzzing summary (each target: $limit):"
 for t in "${targets[@]}"; do
-  printf '  %-16s %-7s %12s execs\n' "$t" "${STATUS[$t]}" "${EXECS[$t]}"
+  took="$(grep -oE 'Done [0-9]+ runs in [0-9]+ second' "$builddir/$t.log" | grep -oE '[0-9]+ second' || echo '? second')"
+  printf '  %-16s %-7s %12s execs in %ss\n' "$t" "${STATUS[$t]}" "${EXECS[$t]}" "${took% second}"
 done
 exit "$failed"

@@ -6,13 +6,16 @@
 //                with its authority)  a snapshot, one record per line:
 //     router id=0 pid=P fds=F clients=N routed=R delivered=D dead_replies=X
 //            accepted=A refused_uid=U refused_full=F refused_no_fds=E
-//            memory_held=B memory_peak=B memory_limit=B
+//            memory_held=B memory_peak=B memory_limit=B routes=R
+//            departures=N departure_steps=S
 //     client id=I name=S dialect=spindle|mitogen pid=P uid=U messages_in=..
 //            messages_out=.. bytes_in=.. bytes_out=.. queued_bytes=..
 //            memory_held=B memory_peak=B paused=0|1
 //   memory_* are the accounts of docs/PROTOCOL.md §14, in bytes; a peak is
 //   the most held at once since the router (or the client) started.
 //   clients counts every client link, handshaking ones included.
+//   departures counts the links that closed; departure_steps the entries
+//   their teardowns visited (RouterStats: O(what each link owned)).
 //   Every value is a number or a token without spaces, so the format is
 //   both readable and trivially parsed (spindle-ctl, tests, shell scripts).
 //

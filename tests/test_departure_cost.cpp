@@ -1,0 +1,111 @@
+// Issue #11 §4: a context that goes away costs O(its own ids), however many
+// routes other links hold. One raw client holds the most routes a link may
+// (65,536, allocated and announced the legitimate way); small clients then
+// come and go. The router's own count of what each departure visited
+// (stats: departures, departure_steps) must stay proportional to what the
+// departing link owned: a handful of entries for a small client, about
+// 65,536 for the big one. An operation count, not a clock, so it holds in
+// every build flavour and on any machine.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "router/control.h"
+#include "tests/router_fixture.h"
+
+namespace spindle {
+namespace {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+constexpr std::size_t kRoutesPerLink = 65536;     // the router's limit (PROTOCOL.md §7.3.2)
+constexpr std::size_t kAllocationWindow = 1024;  // allocated, not yet announced, at most
+
+struct DepartureCount {
+  long long departures = 0, steps = 0, routes = 0;
+};
+
+class DepartureCost : public RouterFixture {
+ protected:
+  DepartureCount count() {
+    const std::string s = router_stats_text(socket());
+    return {stats_field(s, " departures="), stats_field(s, " departure_steps="), stats_field(s, " routes=")};
+  }
+  // Allocates `n` ids on `peer`'s link (context `self`), a window at a time,
+  // and announces each with ADD_ROUTE, as a child with contexts behind it
+  // does. The ids go to `ids`.
+  static void announce_ids(RawPeer& peer, std::uint32_t self, std::size_t n,
+                           std::vector<std::uint32_t>& ids) {
+    for (std::size_t done = 0; done < n;) {
+      const std::size_t window = std::min(kAllocationWindow, n - done);
+      std::string batch;
+      for (std::size_t k = 0; k < window; ++k)
+        batch += frame_bytes(frame(0, self, self, kHandleAllocateId, static_cast<std::uint32_t>(100 + k),
+                                   kEncMitogen), "");
+      peer.write_all(batch);
+      batch.clear();
+      for (std::size_t k = 0; k < window; ++k) {
+        Message granted;
+        ASSERT_TRUE(peer.read_frame_for(self, static_cast<std::uint32_t>(100 + k), granted, 20s))
+            << "ALLOCATE_ID " << done + k << " got no answer";
+        ASSERT_FALSE(granted.header.is_dead()) << granted.text();
+        ids.push_back(static_cast<std::uint32_t>(std::stoul(granted.text())));
+        batch += frame_bytes(frame(0, self, self, kHandleAddRoute, 0, kEncMitogen), granted.text());
+      }
+      peer.write_all(batch);
+      done += window;
+    }
+  }
+};
+
+TEST_F(DepartureCost, ALinksDepartureVisitsOnlyWhatItOwned) {
+  start();
+  RawPeer big = raw_client();
+  const std::uint32_t big_id = id_;
+  // Its own id is one route already: kRoutesPerLink in all.
+  std::vector<std::uint32_t> behind_big;
+  ASSERT_NO_FATAL_FAILURE(announce_ids(big, big_id, kRoutesPerLink - 1, behind_big));
+  ASSERT_TRUE(eventually([&] { return count().routes >= static_cast<long long>(kRoutesPerLink); }, 60s))
+      << "the router holds " << count().routes << " routes";
+
+  // Small clients, each sending one message to a context behind the big
+  // link (so each has an egress entry and is a talker of that context), then
+  // leaving. Every stats query is a client that departs too: the count of
+  // departures is a lower bound taken after the small ones have all gone.
+  constexpr int kSmall = 16;
+  const DepartureCount before = count();
+  for (int i = 0; i < kSmall; ++i) {
+    RawPeer small = raw_client();
+    small.send_frame(frame(behind_big[static_cast<std::size_t>(i)], id_, id_, 4242, 0), "hello");
+    ASSERT_TRUE(small.goodbye()) << "small client " << i << " was not let go";
+  }
+  DepartureCount after;
+  ASSERT_TRUE(eventually([&] {
+    after = count();
+    return after.departures >= before.departures + kSmall;
+  }, 30s));
+  const long long departed = after.departures - before.departures;
+  const long long per_departure = (after.steps - before.steps) / departed;
+  // A small client owns its id, one egress entry and nothing queued: a few
+  // steps. Anything that walked the big link's routes would cost 65,536.
+  EXPECT_LE(per_departure, 16) << departed << " departures visited " << after.steps - before.steps
+                               << " entries while another link held " << after.routes << " routes";
+
+  // The big link's own departure visits its own routes: the count is real.
+  const DepartureCount pre_big = count();
+  ASSERT_TRUE(big.goodbye());
+  DepartureCount post_big;
+  ASSERT_TRUE(eventually([&] {
+    post_big = count();
+    return post_big.routes < static_cast<long long>(kRoutesPerLink);
+  }, 30s));
+  EXPECT_GE(post_big.steps - pre_big.steps, static_cast<long long>(kRoutesPerLink));
+  EXPECT_LE(post_big.steps - pre_big.steps, static_cast<long long>(4 * kRoutesPerLink));
+  expect_served("65,536 routes came and went");
+}
+
+}  // namespace
+}  // namespace spindle
