@@ -5,6 +5,13 @@
 // socketpair by one thread and read by another, which is what one hop costs
 // the kernel without any routing (each routed message makes two hops).
 //
+// The router runs in a session of its own, as a service does: with the
+// kernel's autogroup scheduling, a process in the bench's session would get
+// one share among its ~260 runnable threads, and every round trip through
+// it would measure that. A SchedulerProbe (a 1 ms sleeper in a session of
+// its own) prints beside the round trips how late the kernel alone woke a
+// process during the same run: the floor of any latency measured here.
+//
 // --hostile K (issue #11 §5) mixes K hostile clients (bench/hostile.h) into
 // the load, against a router started with explicit memory limits
 // (kHostileRouterArgs), while two extra honest clients ping-pong without
@@ -40,6 +47,7 @@
 
 #include "bench/hostile.h"
 #include "bench/report.h"
+#include "bench/sched_probe.h"
 #include "tests/load_scenario.h"
 #include "tests/process_util.h"
 #include "tests/router_probe.h"
@@ -116,9 +124,13 @@ std::string utc(std::chrono::system_clock::time_point t) {
 // (error, timeout, wrong bytes) counted.
 class RttProbe {
  public:
-  explicit RttProbe(const std::string& socket) {
-    b_.router().add_handler([&r = b_.router()](Message&& m) { r.reply(m, std::move(m.data)); }, {},
-                            kRttEcho);
+  explicit RttProbe(const std::string& socket) : socket_(socket) {
+    b_.router().add_handler(
+        [this, &r = b_.router()](Message&& m) {
+          echoed_.fetch_add(1, std::memory_order_relaxed);
+          r.reply(m, std::move(m.data));
+        },
+        {}, kRttEcho);
     b_.connect(UnixAddress::parse(socket));
     a_.connect(UnixAddress::parse(socket));
     thread_ = std::thread([this] { loop(); });
@@ -143,7 +155,9 @@ class RttProbe {
       auto t0 = std::chrono::steady_clock::now();
       const auto wall = std::chrono::system_clock::now();
       try {
-        std::string back = to_b.call(kRttEcho, msg, std::chrono::seconds(10));
+        // Long enough that a scheduler stall shows as a slow round trip;
+        // a failure is a lost or refused call.
+        std::string back = to_b.call(kRttEcho, msg, std::chrono::seconds(60));
         auto t1 = std::chrono::steady_clock::now();
         if (back != msg) throw Error("echo came back changed");
         ms_.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
@@ -152,12 +166,32 @@ class RttProbe {
           worst_at_ = utc(wall);
         }
       } catch (const std::exception& e) {
-        if (failures_++ == 0) first_error_ = fmt::format("{} (sent at {} UTC)", e.what(), utc(wall));
+        // Where it stopped: had the echo side answered this call (i + 1
+        // requests) or not (i: the request never reached it)?
+        if (failures_++ == 0) {
+          first_error_ = fmt::format("{} (sent at {} UTC; the echo side had answered {} of {} requests)",
+                                     e.what(), utc(wall), echoed_.load(), i + 1);
+          try {
+            std::string s = testutil::router_stats_text(socket_);
+            for (std::size_t at = 0; at < s.size();) {
+              std::size_t nl = s.find('\n', at);
+              if (nl == std::string::npos) nl = s.size();
+              std::string line = s.substr(at, nl - at);
+              if (line.find("rtt-") != std::string::npos || line.rfind("router", 0) == 0)
+                first_error_ += "\n    " + line;
+              at = nl + 1;
+            }
+          } catch (const std::exception& se) {
+            first_error_ += fmt::format("\n    stats: {}", se.what());
+          }
+        }
       }
     }
   }
   Connection a_{RouterOptions{.name = "rtt-caller"}}, b_{RouterOptions{.name = "rtt-echo"}};
+  std::string socket_;
   std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> echoed_{0};  // requests the echo handler answered
   std::vector<double> ms_;
   std::uint64_t failures_ = 0;
   std::string first_error_;
@@ -267,13 +301,17 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  bench::SchedulerProbe sched;
+  sched.start();  // forks: before any thread exists
   raise_fd_limit();  // each client is a broker and a socket: 256 of them need fds
   log().set_level(spdlog::level::warn);
   testutil::TempDir dir;
   o.socket = dir.path() + "/router.sock";
   std::vector<std::string> args = {"--log-level", "warn"};
   if (hostiles) args.insert(args.end(), kHostileRouterArgs.begin(), kHostileRouterArgs.end());
-  testutil::RouterProcess router(router_binary(), o.socket, args, router_log);
+  // setsid(1) execs the router in place (a spawned child leads no process
+  // group), so pid() stays the router's.
+  testutil::RouterProcess router(router_binary(), o.socket, args, router_log, {"/usr/bin/setsid"});
   if (!router.wait_ready()) {
     std::fprintf(stderr, "bench_load: the router did not start:\n%s\n", router.log().c_str());
     return 1;
@@ -301,6 +339,7 @@ int main(int argc, char** argv) {
   load::Result r = load::run(o);
   if (probe) probe->stop();
   if (swarm) swarm->stop();
+  const bench::SchedulerProbe::Result stalls = sched.stop();
   const long rss_after = testutil::vm_rss_kib(router.pid());
   const long hwm = testutil::vm_hwm_kib(router.pid());
   const std::string stats = hostiles ? testutil::router_stats_text(o.socket) : std::string();
@@ -318,6 +357,9 @@ int main(int argc, char** argv) {
               "                  message makes two, so half of this is the kernel's ceiling: %.0f/s)\n",
               floor, floor / 2);
   std::printf("  router VmRSS    %ld KiB before, %ld KiB after, VmHWM %ld KiB\n", rss_before, rss_after, hwm);
+  std::printf("  scheduler       a 1 ms sleeper in a session of its own woke late by p99 %.3f ms, max %.3f ms\n"
+              "                  (%zu wake-ups: what the kernel alone gave a process during the run)\n",
+              stalls.p99_ms, stalls.max_ms, stalls.samples);
   for (auto& e : r.errors) std::printf("  error: %s\n", e.c_str());
   bool ok = !r.timed_out && r.received == total && r.out_of_order == 0 && r.corrupt == 0 &&
             r.send_errors == 0;
@@ -336,6 +378,8 @@ int main(int argc, char** argv) {
   report.add("load_router_rss_before_KiB", static_cast<double>(rss_before), "KiB");
   report.add("load_router_rss_after_KiB", static_cast<double>(rss_after), "KiB");
   report.add("load_router_hwm_KiB", static_cast<double>(hwm), "KiB");
+  report.add("load_sched_sleeper_late_p99_ms", stalls.p99_ms, "ms");
+  report.add("load_sched_sleeper_late_max_ms", stalls.max_ms, "ms");
   if (hostiles) ok = report_hostile(report, *hostiles, *swarm, *probe, hwm, stats) && ok;
   try {
     report.finish();

@@ -71,7 +71,14 @@ void Router::forward_log(Link& in, const Message& m) {
     note_refusal(in, "FORWARD_LOG", "log lines from router clients are not accepted (--accept-client-logs)");
     return;
   }
-  if (!in.log_budget.take(Clock::now(), opts_.peer_log_rate, opts_.peer_log_burst)) return;
+  const auto now = Clock::now();
+  if (!in.log_budget.take(now, opts_.peer_log_rate, opts_.peer_log_burst)) {
+    // A client over its rate is not read until its next line is due: its
+    // flood waits in its own socket and costs this router nothing. (A child,
+    // our own, is only suppressed: its calls and replies must not wait.)
+    if (in.client) in.stream->hold_input(in.log_budget.refill_time(opts_.peer_log_rate));
+    return;
+  }
   std::string text = m.text();
   auto a = text.find('\0');
   auto b = a == std::string::npos ? a : text.find('\0', a + 1);
@@ -83,7 +90,7 @@ void Router::forward_log(Link& in, const Message& m) {
   std::string_view name(text.data(), a), line(text.data() + b + 1, text.size() - b - 1);
   log().log(level_from_python(levelno), "[ctx={} stream={} name={:?}] {:?}", m.header.src_id,
             in.stream->name(), name.substr(0, 128), line.substr(0, 4096));
-  if (std::uint64_t s = in.log_budget.take_suppressed())
+  if (std::uint64_t s = in.log_budget.take_suppressed(now))
     log().warn("stream={} suppressed {} log line(s) over its rate of {}/s", in.stream->name(), s,
                opts_.peer_log_rate);
 }

@@ -3,6 +3,8 @@
 // the log one line per message: a peer that makes us drop half a million
 // messages must not make us write half a million lines. One summary line per
 // kind per second at most, naming the last one.
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "broker/log.h"
@@ -59,8 +61,15 @@ bool LogBudget::take(std::chrono::steady_clock::time_point now, double rate, dou
   return false;
 }
 
-std::uint64_t LogBudget::take_suppressed() {
-  if (suppressed_ == 0 || tokens_ < 1) return 0;
+std::chrono::milliseconds LogBudget::refill_time(double rate) const {
+  if (rate <= 0) return std::chrono::milliseconds(1000);
+  const double missing = std::max(0.0, 1.0 - tokens_);
+  return std::chrono::milliseconds(1 + static_cast<long>(missing / rate * 1000));
+}
+
+std::uint64_t LogBudget::take_suppressed(std::chrono::steady_clock::time_point now) {
+  if (suppressed_ == 0 || now - reported_at_ < std::chrono::seconds(1)) return 0;
+  reported_at_ = now;
   return std::exchange(suppressed_, 0);
 }
 

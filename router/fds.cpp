@@ -92,9 +92,13 @@ bool Router::map_sealed_body(Message& m) {
 void Router::on_stream_refused(Stream& s, Message&& m, const std::string& why) {
   // A local sender's message refused on the way out, or a frame refused on
   // arrival: either way the reply goes to its src_id, routed as usual (and
-  // without reply_to, send_dead logs it).
-  log().debug("stream={} refused a message for context {} handle {}: {}", s.name(),
-              m.header.dst_id, m.header.handle, why);
+  // without reply_to, send_dead counts it). The log line is the link's
+  // refusal summary, at most one a second: a peer that sends a refusable
+  // frame in a loop must not write one line per frame.
+  const std::string what = fmt::format("message from context {} to context {} handle {}: {}",
+                                       m.header.src_id, m.header.dst_id, m.header.handle, why);
+  if (Link* l = link_of(s)) note_refusal(*l, "undeliverable SF frame", what);
+  else log().warn("stream={} {}", s.name(), what);
   send_dead(m.header, why);
 }
 

@@ -107,7 +107,11 @@ std::string describe_bound(int fd) {
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return "(unknown)";
   std::size_t n = len > offsetof(sockaddr_un, sun_path) ? len - offsetof(sockaddr_un, sun_path) : 0;
   if (n == 0) return "(unnamed)";
-  if (sa.sun_path[0] == '\0') return "@" + std::string(sa.sun_path + 1, n - 1);
+  if (sa.sun_path[0] == '\0') {  // abstract: shown as "@name"
+    std::string name(1, '@');
+    name.append(sa.sun_path + 1, n - 1);
+    return name;
+  }
   return std::string(sa.sun_path, strnlen(sa.sun_path, n));
 }
 

@@ -60,12 +60,16 @@ struct BudgetRelief;
 class LogBudget {
  public:
   bool take(std::chrono::steady_clock::time_point now, double rate, double burst);
-  std::uint64_t take_suppressed();  // lines refused since the last call, once refilled
+  // Lines refused since the last report, at most one report a second.
+  std::uint64_t take_suppressed(std::chrono::steady_clock::time_point now);
+  // After a refused take(): how long until the next line would be taken.
+  std::chrono::milliseconds refill_time(double rate) const;
 
  private:
   double tokens_ = -1;  // full on first use
   std::chrono::steady_clock::time_point last_{};
   std::uint64_t suppressed_ = 0;
+  std::chrono::steady_clock::time_point reported_at_{};
 };
 
 struct RouterOptions {

@@ -158,6 +158,7 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
       tx_(account_.get()),
       handshake_timer_(broker.io()),
       stall_timer_(broker.io()),
+      hold_timer_(broker.io()),
       resumer_(std::make_shared<ReadResumer>()) {
   set_nonblocking(read_fd);
   if (write_fd != read_fd) set_nonblocking(write_fd);
@@ -324,11 +325,25 @@ void Stream::resume_reading() {
   arm_read();
 }
 
+void Stream::hold_input(std::chrono::milliseconds d) {
+  if (input_held_ || state_ == StreamState::kClosed) return;
+  input_held_ = true;
+  hold_timer_.expires_after(d);
+  hold_timer_.async_wait([self = shared_from_this()](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed) return;
+    self->input_held_ = false;
+    // Frames may be left from the batch the hold cut short: they go first.
+    self->input_left_ = true;
+    self->queue_input_turn();
+  });
+}
+
 // Waits for readability, then reads. async_wait costs an epoll_ctl(MOD), so
 // it is used only when the last read came up short (the socket is probably
 // empty); after a full read the next read is posted instead.
 void Stream::arm_read() {
-  if (read_armed_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  if (read_armed_ || input_held_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_)
+    return;
   if (over_limit()) return;
   read_armed_ = true;
   rd_.async_wait(asio::posix::descriptor_base::wait_read,
@@ -342,7 +357,7 @@ void Stream::arm_read() {
 }
 
 void Stream::do_read() {
-  if (state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  if (input_held_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
   if (over_limit()) return;
   std::span<std::uint8_t> target = parser_ ? parser_->read_target() : rx_.write_space();
   ssize_t n;
@@ -392,7 +407,8 @@ void Stream::on_read(std::size_t n, bool filled) {
 // turn (frames left over, or the next read) queues behind the other ready
 // handlers, and Asio polls epoll once per pass over that queue.
 void Stream::queue_input_turn() {
-  if (read_armed_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  if (read_armed_ || input_held_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_)
+    return;
   read_armed_ = true;
   ++t_queued_input_turns;
   asio::post(broker_.io(), [self = shared_from_this()] {
@@ -457,6 +473,7 @@ bool Stream::process_input() {
     }
   } batch(*this);
   while (state_ != StreamState::kClosed) {
+    if (input_held_) return true;  // what is left waits for the hold's end
     if (budget-- == 0) return true;
     ParseResult r = parser_->next(f);
     if (r.status == ParseStatus::kNeedMore) {
@@ -680,6 +697,7 @@ void Stream::close(const std::string& reason) {
   state_ = StreamState::kClosed;
   handshake_timer_.cancel();
   stall_timer_.cancel();
+  hold_timer_.cancel();
   std::error_code ignored;
   rd_.cancel(ignored);
   if (wr_) wr_->cancel(ignored);

@@ -100,7 +100,9 @@ class StreamListener {
   // kernel dropped them, MSG_CTRUNC), with a memfd body that is not sealed, or
   // refused on send (the peer cannot take fds, sendmsg failed with
   // ETOOMANYREFS/EMFILE, too many fds). `m` is the message (without the fds),
-  // so its sender can be told why; the stream stays open.
+  // so its sender can be told why; the stream stays open. The stream logs
+  // only lost fds (this process is out of them: an error); the listener logs
+  // the rest, at a rate a peer cannot drive (the default logs each one).
   virtual void on_stream_refused(Stream& s, Message&& m, const std::string& reason);
   // Exactly once. `unsent` is what was still queued, so its senders can be
   // told it was not delivered.
@@ -187,6 +189,12 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // kFlagFdPassing (a stream without a handshake assumes it on a socket).
   bool peer_takes_fds() const;
   bool reading_paused() const { return paused_; }
+  // Reads and delivers nothing from the peer for `d`, from the next frame on
+  // (the rest of this batch waits too): backpressure on a peer that goes over
+  // a rate the listener enforces, so its excess costs us no work at all.
+  // Broker thread only.
+  void hold_input(std::chrono::milliseconds d);
+  bool input_held() const { return input_held_; }
   // The owner's own pointer (the Router's link), so it needs no lookup per frame.
   void set_tag(void* t) { tag_ = t; }
   void* tag() const { return tag_; }
@@ -258,6 +266,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool had_handshake_ = false;
   asio::steady_timer handshake_timer_;
   asio::steady_timer stall_timer_;
+  asio::steady_timer hold_timer_;  // hold_input(): reading resumes when it fires
   std::uint64_t stall_mark_ = 0;  // bytes_out when the stall timer was armed
   bool stall_armed_ = false;
   std::shared_ptr<ReadResumer> resumer_;
@@ -266,6 +275,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool input_left_ = false;       // parsed frames remain for the next turn
   bool last_read_filled_ = false;  // more is likely waiting in the socket
   bool paused_ = false;           // reading stopped: the account is over its limit
+  bool input_held_ = false;       // reading stopped by hold_input() until hold_timer_
   bool eof_seen_ = false, write_shut_ = false;
   bool drain_started_here_ = false;  // we said goodbye first (vs. answering the peer's)
   bool close_after_flush_ = false;  // protocol error: stop reading, flush, close

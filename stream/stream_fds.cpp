@@ -93,6 +93,7 @@ bool Stream::bind_fds(Message& m) {
     std::string why = fmt::format("{}: {} of {} fds lost (MSG_CTRUNC) at context {} on stream {}",
                                   fdreason::kFdsLost, prefix->fd_count - arrived, prefix->fd_count,
                                   peer_.local_id, name());
+    // This process ran out of fds: its own failure, an error whoever sent.
     log().error("stream={} {}; message from context {} handle {} refused", name(), why,
                 m.header.src_id, m.header.handle);
     listener_->on_stream_refused(*this, std::move(m), why);
@@ -114,9 +115,7 @@ bool Stream::bind_fds(Message& m) {
                         opts_.max_message_size);
     if (!err.empty()) {
       std::string why = fmt::format("{}: {}", fdreason::kBadMemfd, err);
-      log().warn("stream={} {}; message from context {} handle {} refused", name(), why,
-                 m.header.src_id, m.header.handle);
-      listener_->on_stream_refused(*this, std::move(m), why);
+      listener_->on_stream_refused(*this, std::move(m), why);  // it logs, at the rate it allows
       return false;
     }
     m.sealed_body = std::move(body);
@@ -232,7 +231,6 @@ bool Stream::send_fd_frame_failed(int err) {
   TxFrame f = tx_.pop_head_frame();
   std::string why = fmt::format("{}: sendmsg: {} ({} fds, stream {})", fdreason::kSendFailed,
                                 errno_text(err), f.wire_fds.size(), name());
-  log().warn("stream={} {}", name(), why);
   Message m = f.original ? std::move(*f.original) : Message{decode_header(f.header.data()), {}};
   refuse(std::move(m), f.charged, why);
   return true;
