@@ -4,7 +4,9 @@
 // with honest headers and fuzzer-chosen payloads: ids as decimal text (with or
 // without ":name", signs, spaces, overflow), raw bytes, NUL-separated log
 // records. After announcing routes it also sends to them, so routes a child
-// announced are exercised, then the harness checks its invariants.
+// announced are exercised, then the harness checks its invariants. The first
+// byte picks the sender: a child, or a listener's client (untrusted, the
+// surface spindle-router offers to any process of its uid).
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -53,8 +55,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Message d = dead_message(text);
   if (!d.is_dead() || d.text() != text) std::abort();
 
-  fuzz::RouterHarness h;
-  const std::uint32_t me = fuzz::kFuzzedId;
+  fuzz::RouterHarness h(kFlagNone,
+                        in.ConsumeBool() ? fuzz::FuzzedLink::kClient : fuzz::FuzzedLink::kChild);
+  const std::uint32_t me = h.fuzzed_id();
   std::string stream;
   while (in.remaining_bytes() > 0 && stream.size() < 64 * 1024) {
     Header f = testutil::frame(0, me, me, 0, 0, kEncMitogen);
