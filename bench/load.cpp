@@ -38,6 +38,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -147,6 +148,26 @@ class RttProbe {
   const std::string& worst_at() const { return worst_at_; }
 
  private:
+  // The router's own stats lines and the probe clients' (each on a line of
+  // its own, indented), or why they could not be had.
+  std::string router_view() const {
+    std::string out;
+    try {
+      const std::string s = testutil::router_stats_text(socket_);
+      std::size_t at = 0;
+      while (at < s.size()) {
+        std::size_t nl = std::min(s.find('\n', at), s.size());
+        std::string_view line(s.data() + at, nl - at);
+        if (line.find("rtt-") != std::string_view::npos || line.starts_with("router"))
+          out += fmt::format("\n    {}", line);
+        at = nl + 1;
+      }
+    } catch (const std::exception& e) {
+      out += fmt::format("\n    stats: {}", e.what());
+    }
+    return out;
+  }
+
   void loop() {
     Context to_b = a_.context(b_.id());
     std::string msg(kRttSize, '\0');
@@ -171,19 +192,7 @@ class RttProbe {
         if (failures_++ == 0) {
           first_error_ = fmt::format("{} (sent at {} UTC; the echo side had answered {} of {} requests)",
                                      e.what(), utc(wall), echoed_.load(), i + 1);
-          try {
-            std::string s = testutil::router_stats_text(socket_);
-            for (std::size_t at = 0; at < s.size();) {
-              std::size_t nl = s.find('\n', at);
-              if (nl == std::string::npos) nl = s.size();
-              std::string line = s.substr(at, nl - at);
-              if (line.find("rtt-") != std::string::npos || line.rfind("router", 0) == 0)
-                first_error_ += "\n    " + line;
-              at = nl + 1;
-            }
-          } catch (const std::exception& se) {
-            first_error_ += fmt::format("\n    stats: {}", se.what());
-          }
+          first_error_ += router_view();
         }
       }
     }

@@ -96,7 +96,7 @@ class CallTable {
   // pass over the open slots, whatever the number of gone contexts (none
   // while no call is pending). Returns the slots it looked at.
   std::size_t fail_where(const std::function<bool(std::uint32_t callee)>& gone,
-                  const std::function<std::exception_ptr(std::uint32_t callee)>& why);
+                         const std::function<std::exception_ptr(std::uint32_t callee)>& why);
   std::size_t pending() const { return pending_.load(std::memory_order_relaxed); }
 
  private:

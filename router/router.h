@@ -312,7 +312,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   // the parent and to every link that talked to them, except `told_by`.
   // Returns the entries it visited (RouterStats::departure_steps).
   std::size_t contexts_gone(const std::vector<std::uint32_t>& ids, const std::string& reason,
-                     Link* told_by = nullptr);
+                            Link* told_by = nullptr);
   void context_gone(std::uint32_t id, const std::string& reason, Link* told_by = nullptr) {
     (void)contexts_gone(std::vector<std::uint32_t>{id}, reason, told_by);
   }

@@ -194,7 +194,6 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // a rate the listener enforces, so its excess costs us no work at all.
   // Broker thread only.
   void hold_input(std::chrono::milliseconds d);
-  bool input_held() const { return input_held_; }
   // The owner's own pointer (the Router's link), so it needs no lookup per frame.
   void set_tag(void* t) { tag_ = t; }
   void* tag() const { return tag_; }
