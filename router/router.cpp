@@ -151,6 +151,8 @@ RouterStats Router::stats() {
     s.memory_held = budget_->held();
     s.memory_peak = budget_->peak();
     s.memory_limit = budget_->limit();
+    for (const auto& [stream, link] : links_)
+      s.direct_writes += stream->port()->direct_writes.load(std::memory_order_relaxed);
     return s;
   };
   if (broker_.on_broker_thread() || broker_.state() == Broker::State::kStopped) return collect();

@@ -126,6 +126,9 @@ struct RouterStats {
   // and the pending-call slots scanned. A departure costs O(what it owned),
   // never O(everything the router holds): this is how a test checks it.
   std::uint64_t departures = 0, departure_steps = 0;
+  // Frames application threads wrote to an idle stream themselves (no queue,
+  // no wake-up of the broker), summed over the streams open now.
+  std::uint64_t direct_writes = 0;
   std::size_t streams = 0, routes = 0, handlers = 0;
   std::size_t pending_calls = 0;
   std::size_t memory_held = 0, memory_peak = 0, memory_limit = 0;  // all peers together

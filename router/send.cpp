@@ -130,7 +130,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
     }
     // The idle stream's fast path: written here, now, in one syscall.
     if (!on_broker && plain && async_slot == 0 && outbox_.empty() &&
-        (port.port->gate.load() == TxGate::kDirectOk)) {
+        port.port->gate.direct_allowed()) {
       Payload view;
       if (msg) view = msg->data;
       else if (!bytes.empty()) view.append(Slice{nullptr, bytes.data(), bytes.size()});

@@ -44,6 +44,7 @@ StreamPort::Direct StreamPort::try_write(const Header& h, const Payload& body, s
     n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
   } while (n < 0 && errno == EINTR);
   const std::size_t total = kHeaderSize + body.size();
+  gate.note_direct_write();
   if (n >= 0 && static_cast<std::size_t>(n) == total) {
     gauge.release(charged);
     direct_writes.fetch_add(1, std::memory_order_relaxed);

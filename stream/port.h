@@ -10,12 +10,15 @@
 // kClosed) and the writer kicks it when done.
 //
 // When is a stream idle enough for a direct write? Nothing queued, no write
-// under way, and the peer has spoken since the last direct write
-// (kDirectOk). The last rule gives a request/response rhythm the lowest
-// latency (every request is written at once), while a thread that streams
-// messages writes the first itself and hands the rest to the broker, which
-// gathers them into batches: one syscall per message would cost a streaming
-// sender more than batching saves.
+// under way, and either the peer has spoken since the last direct write
+// (kDirectOk) or no direct write went for the last 50 µs. The first rule
+// gives a request/response rhythm the lowest latency (every request is
+// written at once); the second serves a sender that writes to this stream
+// only now and then (one thread writing for many connections in turn). A
+// thread that streams messages to one stream writes the first itself and
+// hands the rest to the broker, which gathers them into batches: one
+// syscall per message would cost a streaming sender more than batching
+// saves.
 //
 // Thread safety: every member is safe from any thread; the fd is used only
 // by whoever holds the gate. Ownership: shared by the Stream and the senders
@@ -25,6 +28,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -48,9 +52,28 @@ class TxGate {
   std::uint32_t load() const { return state_.load(std::memory_order_acquire); }
 
   // --- application threads ---
+  // A direct write may go now: the peer spoke since the last one (kDirectOk),
+  // or the stream is idle (nothing queued, no write under way, open) and no
+  // direct write went for kIdleForDirect. The second rule serves a thread
+  // that writes to many streams in turn: each stream sees a send now and
+  // then, and a wake-up of its broker would cost more than one sendmsg. A
+  // tight stream of sends to one stream still batches through the broker.
+  // The clock is read only when the state alone does not decide.
+  static constexpr std::chrono::nanoseconds kIdleForDirect{50'000};
+  bool direct_allowed() const {
+    const std::uint32_t s = load();
+    return s == kDirectOk || (s == 0 && idle_long_enough());
+  }
   bool try_acquire_direct() {
     std::uint32_t expect = kDirectOk;
+    if (state_.compare_exchange_strong(expect, kBusy | kUser, std::memory_order_acq_rel)) return true;
+    if (expect != 0 || !idle_long_enough()) return false;
     return state_.compare_exchange_strong(expect, kBusy | kUser, std::memory_order_acq_rel);
+  }
+  // After a direct write: the idle rule counts from here.
+  void note_direct_write() {
+    last_direct_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
+                          std::memory_order_relaxed);
   }
   // Gives the fd back after a frame written whole. Returns the bits the
   // broker set meanwhile (kPending: it queued frames; kClosed): it must then
@@ -83,7 +106,12 @@ class TxGate {
   bool close() { return state_.fetch_or(kClosed, std::memory_order_acq_rel) & kUser; }
 
  private:
+  bool idle_long_enough() const {
+    const std::int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+    return now - last_direct_ns_.load(std::memory_order_relaxed) >= kIdleForDirect.count();
+  }
   std::atomic<std::uint32_t> state_{kBusy};  // busy until the handshake is done
+  std::atomic<std::int64_t> last_direct_ns_{0};
 };
 
 class StreamPort {

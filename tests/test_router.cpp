@@ -31,6 +31,7 @@
 #include "stream/frame.h"
 #include "stream/handshake.h"
 #include "stream/message.h"
+#include "stream/port.h"
 
 namespace spindle {
 namespace {
@@ -312,6 +313,37 @@ TEST(RouterRawPeer, HonestFrameToUnknownHandleGetsInvalidHandle) {
   EXPECT_EQ(d.header.handle, 77u);
   EXPECT_TRUE(d.text().starts_with(reason::kInvalidHandle)) << d.text();
   EXPECT_TRUE(contains(d.text(), "4321")) << d.text();
+  EXPECT_TRUE(peer.goodbye()) << "the router did not answer EOF with EOF";
+}
+
+// A thread that writes to a stream only now and then writes each frame
+// itself (one sendmsg, no wake-up of the broker), even when the peer has not
+// spoken since its last direct write: the stream is idle, and has been for
+// longer than TxGate::kIdleForDirect. Before that rule, only the first send
+// after the peer spoke went direct, so a thread writing for many connections
+// in turn woke their brokers for most of its sends.
+TEST(RouterRawPeer, SendsToAnIdleStreamAreWrittenByTheSender) {
+  Broker broker;
+  Router router(broker, root_opts());
+  std::uint32_t n = router.allocate_id();
+  RawPeer peer;
+  ASSERT_TRUE(attach_raw(router, peer, n));
+  ASSERT_EQ(peer.handshake(), n);
+  const std::uint64_t before = router.stats().direct_writes;
+  constexpr int kSends = 3;
+  for (int i = 0; i < kSends; ++i) {
+    // Idle: the broker has nothing queued for the peer, and the last direct
+    // write is far more than kIdleForDirect ago. The peer stays silent.
+    std::this_thread::sleep_for(5 * TxGate::kIdleForDirect + 2ms);
+    router.send(Message{frame(n, 0, 0, kEcho, 0), Payload::copy_of("now and then " + std::to_string(i))});
+  }
+  for (int i = 0; i < kSends; ++i) {
+    Message m;
+    ASSERT_TRUE(peer.read_frame(m));
+    EXPECT_EQ(m.text(), "now and then " + std::to_string(i));
+  }
+  EXPECT_EQ(router.stats().direct_writes - before, static_cast<std::uint64_t>(kSends))
+      << "a send to an idle stream went through the broker's queue";
   EXPECT_TRUE(peer.goodbye()) << "the router did not answer EOF with EOF";
 }
 
