@@ -8,6 +8,9 @@
 //                      \--the waiter's deadline--> CANCELLED --> FREE
 #include "router/call_table.h"
 
+#include <algorithm>
+#include <bit>
+
 #include <boost/intrusive/set.hpp>
 #include <fmt/format.h>
 
@@ -56,21 +59,28 @@ struct CallTable::Deadlines {
   boost::intrusive::multiset<Slot, boost::intrusive::compare<ByDeadline>> set;
 };
 
-CallTable::CallTable()
-    : chunks_(new std::atomic<Slot*>[kMaxSlots / kChunk]), deadlines_(std::make_unique<Deadlines>()) {
-  for (std::uint32_t i = 0; i < kMaxSlots / kChunk; ++i) chunks_[i].store(nullptr);
+CallTable::CallTable() : deadlines_(std::make_unique<Deadlines>()) {
+  static_assert(chunk_start(kChunks - 1) + kFirstChunk == kMaxSlots);
 }
 
 CallTable::~CallTable() {
   deadlines_->set.clear();
-  for (std::uint32_t i = 0; i < kMaxSlots / kChunk; ++i) delete[] chunks_[i].load();
-  delete[] chunks_;
+  for (auto& c : chunks_) delete[] c.load();
+}
+
+std::uint32_t CallTable::chunk_of(std::uint32_t index) {
+  return static_cast<std::uint32_t>(std::bit_width(index / kFirstChunk + 1)) - 1;
+}
+
+CallTable::Slot& CallTable::at(std::uint32_t index) const {
+  const std::uint32_t k = chunk_of(index);
+  return chunks_[k].load(std::memory_order_acquire)[index - chunk_start(k)];
 }
 
 CallTable::Slot* CallTable::slot(std::uint32_t handle) const {
   std::uint32_t i = index_of(handle);
   if (i >= size_.load(std::memory_order_acquire)) return nullptr;
-  return &chunks_[i / kChunk].load(std::memory_order_acquire)[i % kChunk];
+  return &at(i);
 }
 
 void CallTable::grow() {
@@ -78,13 +88,15 @@ void CallTable::grow() {
   std::uint32_t n = size_.load();
   if (n >= kMaxSlots)
     throw Error(fmt::format("too many calls pending at once (the limit is {})", kMaxSlots));
-  auto* chunk = new Slot[kChunk];
-  for (std::uint32_t i = 0; i < kChunk; ++i) chunk[i].index = n + i;
-  chunks_[n / kChunk].store(chunk, std::memory_order_release);
-  size_.store(n + kChunk, std::memory_order_release);
+  const std::uint32_t k = chunk_of(n);  // n is where chunk k starts
+  const std::uint32_t count = std::min(kFirstChunk << k, kMaxSlots - n);
+  auto* chunk = new Slot[count];
+  for (std::uint32_t i = 0; i < count; ++i) chunk[i].index = n + i;
+  chunks_[k].store(chunk, std::memory_order_release);
+  size_.store(n + count, std::memory_order_release);
   // Index 0 stays unused: handle 0x80000000 would look like "no reply_to" to
   // nobody, but an index of 0 is easy to mistake in a dump.
-  for (std::uint32_t i = (n == 0 ? 1 : 0); i < kChunk; ++i) free_.push(n + i);
+  for (std::uint32_t i = (n == 0 ? 1 : 0); i < count; ++i) free_.push(n + i);
 }
 
 std::uint32_t CallTable::open(std::uint32_t callee, bool blocking, Completion done) {
@@ -249,7 +261,7 @@ std::size_t CallTable::fail_where(const std::function<bool(std::uint32_t)>& gone
   if (pending() == 0) return 0;
   const std::uint32_t n = size_.load(std::memory_order_acquire);
   for (std::uint32_t i = 1; i < n; ++i) {
-    Slot& s = chunks_[i / kChunk].load(std::memory_order_acquire)[i % kChunk];
+    Slot& s = at(i);
     std::uint32_t w = s.word.load(std::memory_order_acquire);
     const std::uint32_t callee = s.callee.load(std::memory_order_relaxed);
     if (state_of(w) != kPending || !gone(callee)) continue;

@@ -108,9 +108,18 @@ class CallTable {
   void free_slot(Slot& s, std::uint32_t index);
   void grow();
 
-  static constexpr std::uint32_t kChunk = 1024;
+  // Slots live in chunks that double: chunk k holds kFirstChunk << k slots
+  // (the last one is cut to reach kMaxSlots exactly). A router that makes a
+  // few calls, like a freshly forked worker's, builds 64 slots (~20 KiB),
+  // not a thousand: each page it touches is a fault, and a short-lived
+  // process pays for every one.
+  static constexpr std::uint32_t kFirstChunk = 64;
+  static constexpr std::uint32_t kChunks = 15;  // 64 * (2^14 - 1) + 64 = kMaxSlots
+  static std::uint32_t chunk_of(std::uint32_t index);
+  static constexpr std::uint32_t chunk_start(std::uint32_t chunk) { return kFirstChunk * ((1u << chunk) - 1); }
+  Slot& at(std::uint32_t index) const;  // index < size_
   mutable std::mutex grow_mu_;  // guards growth only (the slow path)
-  std::atomic<Slot*>* chunks_;  // kMaxSlots / kChunk entries
+  std::atomic<Slot*> chunks_[kChunks] = {};
   std::atomic<std::uint32_t> size_{0};
   boost::lockfree::stack<std::uint32_t> free_{256};
   std::atomic<std::size_t> pending_{0};
