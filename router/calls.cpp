@@ -59,6 +59,19 @@ std::future<Message> Router::request(Message msg, std::chrono::milliseconds time
   return fut;
 }
 
+// Any thread. The broker keeps async deadlines; from another thread the arm
+// is deferred to it. A call completed meanwhile is not armed (arm_deadline
+// checks the slot's generation), and one still pending when the broker has
+// stopped is failed by the shutdown.
+void Router::arm_deadline(std::uint32_t slot, Clock::time_point when) {
+  auto arm = [this, slot, when] {
+    calls_.arm_deadline(slot, when);
+    arm_call_timer();
+  };
+  if (broker_.on_broker_thread()) arm();
+  else broker_.try_defer(arm);
+}
+
 // Broker thread: arms the one timer for the earliest async deadline.
 void Router::arm_call_timer() {
   auto next = calls_.next_deadline();

@@ -305,6 +305,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void note_refusal(Link& in, std::string_view kind, const std::string& why);
   // calls.cpp
   std::exception_ptr timeout_error(std::uint32_t callee, std::chrono::milliseconds timeout) const;
+  void arm_deadline(std::uint32_t call_slot, Clock::time_point when);  // any thread
   void arm_call_timer();
   // links.cpp
   Link* route_for(std::uint32_t dst);

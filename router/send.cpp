@@ -107,7 +107,11 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
   h.length = static_cast<std::uint32_t>(size);
   if (msg) msg->header = h;
   const bool on_broker = broker_.on_broker_thread();
-  if (h.dst_id == id() && deliver_here(h, bytes, msg)) return;
+  if (h.dst_id == id() && deliver_here(h, bytes, msg)) {
+    // The frame skipped the outbox, where an async call's deadline is armed.
+    if (async_slot) arm_deadline(async_slot, deadline_after(timeout));
+    return;
+  }
 
   const bool plain = !msg || (msg->fds.empty() && !msg->sealed_body && !msg->data.memfd());
   PortRef port = h.dst_id == id() ? PortRef{} : port_for(h.dst_id);
@@ -231,10 +235,7 @@ void Router::drain_outbox() {
 void Router::route_local_origin(OutboxRecord& rec, std::span<const std::uint8_t> bytes,
                                 Message* msg) {
   Header& h = rec.header;
-  if (rec.call_slot) {
-    calls_.arm_deadline(rec.call_slot, Clock::time_point(Clock::duration(rec.deadline_ns)));
-    arm_call_timer();
-  }
+  if (rec.call_slot) arm_deadline(rec.call_slot, Clock::time_point(Clock::duration(rec.deadline_ns)));
   auto message = [&]() -> Message {
     if (msg) return std::move(*msg);
     return Message{h, Payload::copy_of(bytes)};

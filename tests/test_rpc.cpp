@@ -155,6 +155,44 @@ TEST(RpcFork, HandlerThatNeverRepliesTimesOut) {
   expect_exit_code(c, 0);
 }
 
+// An asynchronous call to a handler of this same context keeps its deadline,
+// whichever thread makes it and wherever the handler runs: from the broker
+// thread (the handler is posted there), and from another thread to a handler
+// that may run on any thread (it runs on the caller's). Both skip the outbox,
+// where the broker arms an async call's deadline: a handler that never
+// answered left the call pending for ever.
+TEST(RpcLocal, AsyncCallToALocalHandlerThatNeverRepliesTimesOut) {
+  Broker broker;
+  Router router(broker, root_opts());
+  std::atomic<int> seen{0};
+  const std::uint32_t on_broker = router.add_handler([&](Message&&) { ++seen; });
+  HandlerOptions anywhere;
+  anywhere.any_thread = true;
+  const std::uint32_t any_thread = router.add_handler([&](Message&&) { ++seen; }, anywhere);
+  Context self(router, router.id(), "self");
+
+  // From the broker thread, to a broker-thread handler.
+  std::promise<std::future<Message>> made;
+  broker.defer([&] { made.set_value(self.call_async(on_broker, Payload::copy_of("from the broker"), 200ms)); });
+  std::future<Message> from_broker = made.get_future().get();
+  // From this thread, to a handler that runs here.
+  std::future<Message> from_here = self.call_async(any_thread, Payload::copy_of("from here"), 200ms);
+
+  for (auto* f : {&from_broker, &from_here}) {
+    ASSERT_EQ(f->wait_for(10s), std::future_status::ready) << "the call never completed";
+    try {
+      f->get();
+      ADD_FAILURE() << "no exception";
+    } catch (const TimeoutError& e) {
+      EXPECT_TRUE(contains(e.what(), errtext::kCallTimedOut)) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "wrong exception: " << e.what();
+    }
+  }
+  EXPECT_EQ(seen.load(), 2);
+  EXPECT_EQ(router.stats().pending_calls, 0u);
+}
+
 TEST(RpcFork, ChildKilledMidCallFailsPendingCall) {
   Broker broker;
   Router router(broker, root_opts());
