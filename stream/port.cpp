@@ -1,8 +1,10 @@
 // The direct write is the whole frame in one sendmsg: the header encoded on
 // the stack and the payload's slices as they lie. Whatever the kernel did
-// not take is handed to the broker with the gate still held, so the broker
-// can neither write another frame into the middle of this one nor close the
-// fd under it; its take-over clears the gate.
+// not take is handed to the broker with the gate marked kRest, so the broker
+// cannot write another frame into the middle of this one; its take-over
+// clears the mark. The writer lets go of the fd before it posts the rest:
+// the stream may close the fd meanwhile (the rest is then dropped), and its
+// destructor never waits for a task that may never run.
 #include "stream/port.h"
 
 #include <sys/socket.h>
@@ -73,7 +75,10 @@ StreamPort::Direct StreamPort::try_write(const Header& h, const Payload& body, s
   rest.charged = charged;
   rest.skip = n > 0 ? static_cast<std::size_t>(n) : 0;
   direct_writes.fetch_add(1, std::memory_order_relaxed);
-  hand_over(&rest, {});  // the gate stays ours until the broker has it
+  // Let go of the fd before posting: the broker's take-over clears kRest,
+  // and it may run before hand_over returns.
+  gate.hand_over_rest();
+  hand_over(&rest, {});
   return Direct::kWritten;
 }
 

@@ -48,6 +48,10 @@ class TxGate {
   static constexpr std::uint32_t kClosed = 4;    // no more direct writes
   static constexpr std::uint32_t kDirectOk = 8;  // the peer spoke since the last direct write
   static constexpr std::uint32_t kPending = 16;  // the broker queued while a user wrote
+  // A direct write's rest is on its way to the broker, which must write it
+  // before anything else. No thread holds the fd: the stream may close it,
+  // and its end never waits for the rest (whose task may never run).
+  static constexpr std::uint32_t kRest = 32;
 
   std::uint32_t load() const { return state_.load(std::memory_order_acquire); }
 
@@ -75,6 +79,14 @@ class TxGate {
     last_direct_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
                           std::memory_order_relaxed);
   }
+  // After a partial write: the fd is let go, and the rest goes to the broker
+  // (the caller posts it next). Until the broker takes it, neither the broker
+  // nor another user may write.
+  void hand_over_rest() {
+    std::uint32_t s = state_.load(std::memory_order_acquire);
+    while (!state_.compare_exchange_weak(s, (s & ~kUser) | kRest, std::memory_order_acq_rel)) {
+    }
+  }
   // Gives the fd back after a frame written whole. Returns the bits the
   // broker set meanwhile (kPending: it queued frames; kClosed): it must then
   // be kicked. With kPending the stream stays busy: its queue is not empty.
@@ -91,10 +103,12 @@ class TxGate {
   // The broker's queue is not empty (kPending tells a user writing now that
   // it must kick the broker when done).
   void mark_queued() { state_.fetch_or(kBusy | kPending, std::memory_order_acq_rel); }
-  // Whether the broker may write its queue now (no user holds the fd).
-  bool broker_may_write() const { return !(load() & kUser); }
-  // The broker has taken over a frame a user began: the fd is the broker's.
-  void clear_user() { state_.fetch_and(~kUser, std::memory_order_acq_rel); }
+  // Whether the broker may write its queue now (no user holds the fd, and no
+  // rest of a direct write is on its way).
+  bool broker_may_write() const { return !(load() & (kUser | kRest)); }
+  // The broker has taken over the rest of a frame a user began (or nobody
+  // ever will): writes may resume.
+  void clear_rest() { state_.fetch_and(~kRest, std::memory_order_acq_rel); }
   // Nothing queued any more: direct writes may resume (if allowed).
   void clear_busy() { state_.fetch_and(~(kBusy | kPending), std::memory_order_acq_rel); }
   void allow_direct() {

@@ -206,7 +206,7 @@ void Stream::wire_up() {
     }
     // The broker is gone: nobody will take the frame; give the fd back so
     // the stream's end never waits for it.
-    if (!posted && frame) port->gate.clear_user();
+    if (!posted && frame) port->gate.clear_rest();
   };
 }
 
@@ -661,7 +661,7 @@ void Stream::take_over(TxFrame* rest, const std::string& error) {
       tx_.push_front_frame(std::move(*rest));
       busy_ = true;
     }
-    port_->gate.clear_user();
+    port_->gate.clear_rest();
   }
   if (state_ == StreamState::kClosed) return close_fds();
   if (!error.empty()) return close(error);
@@ -681,7 +681,8 @@ void Stream::drain() {
 
 void Stream::half_close() {
   if (write_shut_ || state_ == StreamState::kClosed) return;
-  if (port_->gate.load() & TxGate::kUser) return;  // after the writer's kick
+  // After the writer's kick, or once the rest of its frame is written.
+  if (port_->gate.load() & (TxGate::kUser | TxGate::kRest)) return;
   write_shut_ = true;
   if (is_socket_ && !wr_) {
     if (::shutdown(rd_.native_handle(), SHUT_WR) < 0 && errno != ENOTCONN)
