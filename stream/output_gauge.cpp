@@ -2,13 +2,21 @@
 // before re-checking under the mutex; release() notifies only when someone
 // waits, taking the mutex so the notification cannot fall between a waiter's
 // check and its sleep.
+//
+// The announcement and the release are a store-then-load pair on each side
+// (waiters_ then queued_, queued_ then waiters_): all four are seq_cst, so
+// at least one side sees the other. With the level read relaxed and the
+// release acq_rel, the memory model allowed both to miss (the waiter sleeps
+// on a stale level, the releaser sees no waiter). x86 never does that (its
+// read-modify-writes are full barriers), but weaker machines may, and on x86
+// a seq_cst load costs nothing more.
 #include "stream/output_gauge.h"
 
 namespace spindle {
 
 bool OutputGauge::try_acquire(std::size_t n) {
   if (closed()) return false;
-  std::size_t cur = queued_.load(std::memory_order_relaxed);
+  std::size_t cur = queued_.load(std::memory_order_seq_cst);
   while (cur == 0 || cur + n <= hwm_) {
     if (queued_.compare_exchange_weak(cur, cur + n, std::memory_order_acq_rel)) return true;
   }
@@ -41,8 +49,8 @@ OutputGauge::Admit OutputGauge::acquire(std::size_t n,
 }
 
 void OutputGauge::release(std::size_t n) {
-  queued_.fetch_sub(n, std::memory_order_acq_rel);
-  if (waiters_.load() > 0) {
+  queued_.fetch_sub(n, std::memory_order_seq_cst);
+  if (waiters_.load(std::memory_order_seq_cst) > 0) {
     std::lock_guard lk(mu_);
     cv_.notify_all();
   }
