@@ -5,7 +5,10 @@
 //
 //   FREE --open--> PENDING --claim--> CLAIMED --> DONE (blocking: the waiter
 //                     \                       \--> FREE (async: completion runs)
-//                      \--the waiter's deadline--> CANCELLED --> FREE
+//                      \                       \--> RETIRED --> FREE (async,
+//                       \                            completed off the broker
+//                        \                           thread; the broker frees it)
+//                         \--the waiter's deadline--> CANCELLED --> FREE
 #include "router/call_table.h"
 
 #include <algorithm>
@@ -21,7 +24,8 @@
 namespace spindle {
 namespace {
 
-constexpr std::uint32_t kFree = 0, kPending = 1, kClaimed = 2, kDone = 3, kCancelled = 4;
+constexpr std::uint32_t kFree = 0, kPending = 1, kClaimed = 2, kDone = 3, kCancelled = 4,
+                        kRetired = 5;
 constexpr std::uint32_t kGenBits = 11;
 constexpr std::uint32_t kIndexBits = 20;
 
@@ -45,6 +49,7 @@ struct CallTable::Slot : boost::intrusive::set_base_hook<> {
   // the claim's compare-and-swap on the word.
   std::atomic<std::uint32_t> callee{0};
   std::atomic<bool> blocking{false};
+  std::atomic<bool> anywhere{false};  // async, and its completion is thread-safe
   bool armed = false;  // broker thread
   Clock::time_point deadline;
   Message reply;
@@ -99,24 +104,25 @@ void CallTable::grow() {
   for (std::uint32_t i = (n == 0 ? 1 : 0); i < count; ++i) free_.push(n + i);
 }
 
-std::uint32_t CallTable::open(std::uint32_t callee, bool blocking, Completion done) {
+std::uint32_t CallTable::open(std::uint32_t callee, bool blocking, Completion done, bool anywhere) {
   std::uint32_t index;
   while (!free_.pop(index)) grow();
   Slot& s = *slot(index);
   std::uint32_t gen = gen_of(s.word.load(std::memory_order_relaxed)) + 1;
   s.callee.store(callee, std::memory_order_relaxed);
   s.blocking.store(blocking, std::memory_order_relaxed);
-  s.armed = false;
+  s.anywhere.store(anywhere, std::memory_order_relaxed);
+  // `armed` is the broker's alone, and false on every free slot.
   s.done = std::move(done);
   s.word.store(gen << 3 | kPending, std::memory_order_release);
   pending_.fetch_add(1, std::memory_order_relaxed);
   return make_handle(index, gen);
 }
 
-std::uint32_t CallTable::open_blocking(std::uint32_t callee) { return open(callee, true, nullptr); }
+std::uint32_t CallTable::open_blocking(std::uint32_t callee) { return open(callee, true, nullptr, false); }
 
-std::uint32_t CallTable::open_async(std::uint32_t callee, Completion done) {
-  return open(callee, false, std::move(done));
+std::uint32_t CallTable::open_async(std::uint32_t callee, Completion done, bool anywhere) {
+  return open(callee, false, std::move(done), anywhere);
 }
 
 void CallTable::free_slot(Slot& s, std::uint32_t index) {
@@ -145,7 +151,7 @@ bool CallTable::claim(Slot& s, std::uint32_t handle) {
   return s.word.compare_exchange_strong(w, (w & ~7u) | kClaimed, std::memory_order_acq_rel);
 }
 
-void CallTable::finish(Slot& s, std::uint32_t index, Message&& m, std::exception_ptr e) {
+void CallTable::finish(Slot& s, std::uint32_t index, Message&& m, std::exception_ptr e, bool on_broker) {
   if (s.blocking.load(std::memory_order_relaxed)) {
     s.reply = std::move(m);
     s.error = e;
@@ -155,7 +161,16 @@ void CallTable::finish(Slot& s, std::uint32_t index, Message&& m, std::exception
     return;
   }
   Completion done = std::move(s.done);
-  free_slot(s, index);
+  if (on_broker) {
+    free_slot(s, index);
+  } else {
+    // Its deadline may be armed (or about to be): only the broker may unlink
+    // it. The slot waits, retired, for the broker's next reap.
+    std::uint32_t w = s.word.load(std::memory_order_relaxed);
+    s.word.store((w & ~7u) | kRetired, std::memory_order_release);
+    pending_.fetch_sub(1, std::memory_order_relaxed);
+    retired_.push(index);
+  }
   try {
     if (done) done(std::move(m), e);
   } catch (const std::exception& ex) {
@@ -165,7 +180,16 @@ void CallTable::finish(Slot& s, std::uint32_t index, Message&& m, std::exception
   }
 }
 
-CallTable::Verdict CallTable::complete(std::uint32_t handle, Message&& m) {
+void CallTable::reap_retired() {
+  std::uint32_t index;
+  while (retired_.pop(index)) {
+    Slot& s = at(index);
+    pending_.fetch_add(1, std::memory_order_relaxed);  // free_slot counts it out again
+    free_slot(s, index);
+  }
+}
+
+CallTable::Verdict CallTable::complete(std::uint32_t handle, Message&& m, bool on_broker) {
   Slot* s = slot(handle);
   if (!s) return Verdict::kStale;
   std::uint32_t w = s->word.load(std::memory_order_acquire);
@@ -180,7 +204,7 @@ CallTable::Verdict CallTable::complete(std::uint32_t handle, Message&& m) {
     e = std::make_exception_ptr(CallError(t.type, t.what));
   }
   if (e) m = Message{};
-  finish(*s, index_of(handle), std::move(m), e);
+  finish(*s, index_of(handle), std::move(m), e, on_broker);
   return Verdict::kCompleted;
 }
 
@@ -191,9 +215,9 @@ bool CallTable::fail(std::uint32_t handle, std::exception_ptr error) {
   return true;
 }
 
-bool CallTable::is_blocking(std::uint32_t handle) const {
+bool CallTable::completes_anywhere(std::uint32_t handle) const {
   Slot* s = slot(handle);
-  return s && s->blocking.load(std::memory_order_relaxed);
+  return s && (s->blocking.load(std::memory_order_relaxed) || s->anywhere.load(std::memory_order_relaxed));
 }
 
 std::optional<std::uint32_t> CallTable::callee_of(std::uint32_t handle) const {
@@ -230,10 +254,14 @@ Message CallTable::wait(std::uint32_t handle, Clock::time_point deadline,
 }
 
 void CallTable::arm_deadline(std::uint32_t handle, Clock::time_point when) {
+  reap_retired();
   Slot* s = slot(handle);
-  if (!s || s->blocking.load(std::memory_order_relaxed) || s->armed) return;
+  if (!s || s->blocking.load(std::memory_order_relaxed)) return;
+  // The call may be over, and its slot reopened by another thread, before an
+  // arm deferred from that thread arrives: check the generation before
+  // touching anything else of the slot.
   std::uint32_t w = s->word.load(std::memory_order_acquire);
-  if (state_of(w) != kPending || !matches(w, handle)) return;
+  if (state_of(w) != kPending || !matches(w, handle) || s->armed) return;
   s->deadline = when;
   s->armed = true;
   deadlines_->set.insert(*s);
@@ -246,6 +274,7 @@ std::optional<CallTable::Clock::time_point> CallTable::next_deadline() const {
 
 void CallTable::expire(Clock::time_point now,
                        const std::function<std::exception_ptr(std::uint32_t)>& on_timeout) {
+  reap_retired();
   while (!deadlines_->set.empty() && deadlines_->set.begin()->deadline <= now) {
     Slot& s = *deadlines_->set.begin();
     deadlines_->set.erase(deadlines_->set.begin());

@@ -21,7 +21,13 @@
 //    up (CANCELLED) while a completer races it; any thread may complete it (a
 //    reply to a local call is completed by the worker that sends it);
 //  - async: the broker arms its deadline and every completion runs on the
-//    broker thread.
+//    broker thread, except for a slot opened with `anywhere`: its
+//    completion is thread-safe (it fulfils a std::future), so the thread
+//    that brings the reply (a service worker answering a local call)
+//    completes it there, without a hop through the broker. Only the broker
+//    may unlink an armed deadline, so such a slot is then retired, not
+//    freed: the broker frees retired slots the next time it arms or expires
+//    a deadline.
 //
 // Thread safety: open_*/wait from any thread; complete() from any thread for
 // blocking slots, the broker thread for async ones; the scan and deadline
@@ -63,7 +69,7 @@ class CallTable {
   // Takes a slot for a call to `callee`; returns its reply handle. Throws
   // Error when kMaxSlots calls are pending.
   std::uint32_t open_blocking(std::uint32_t callee);
-  std::uint32_t open_async(std::uint32_t callee, Completion done);
+  std::uint32_t open_async(std::uint32_t callee, Completion done, bool anywhere = false);
   // The sender failed before the request left: frees the slot, completing
   // nothing.
   void abandon(std::uint32_t handle);
@@ -76,12 +82,14 @@ class CallTable {
 
   enum class Verdict { kCompleted, kStale, kWrongSender };
   // A message for a call handle. `m` is consumed only when kCompleted.
-  Verdict complete(std::uint32_t handle, Message&& m);
+  // `on_broker`: whether the caller is the broker thread.
+  Verdict complete(std::uint32_t handle, Message&& m, bool on_broker = true);
   // Completes with an error (deadline, disconnect, shutdown); false if the
   // call was already completed or is unknown.
   bool fail(std::uint32_t handle, std::exception_ptr error);
-  // Whether `handle` is a blocking slot (any thread may complete it).
-  bool is_blocking(std::uint32_t handle) const;
+  // Whether any thread may complete `handle`: a blocking slot, or an async
+  // one opened with `anywhere`.
+  bool completes_anywhere(std::uint32_t handle) const;
   std::optional<std::uint32_t> callee_of(std::uint32_t handle) const;
 
   // --- broker thread ---
@@ -102,10 +110,11 @@ class CallTable {
  private:
   struct Slot;
   Slot* slot(std::uint32_t handle) const;  // null if the index is out of range
-  std::uint32_t open(std::uint32_t callee, bool blocking, Completion done);
+  std::uint32_t open(std::uint32_t callee, bool blocking, Completion done, bool anywhere);
   bool claim(Slot& s, std::uint32_t handle);
-  void finish(Slot& s, std::uint32_t index, Message&& m, std::exception_ptr e);
+  void finish(Slot& s, std::uint32_t index, Message&& m, std::exception_ptr e, bool on_broker = true);
   void free_slot(Slot& s, std::uint32_t index);
+  void reap_retired();  // broker thread: frees the slots completed elsewhere
   void grow();
 
   // Slots live in chunks that double: chunk k holds kFirstChunk << k slots
@@ -122,6 +131,7 @@ class CallTable {
   std::atomic<Slot*> chunks_[kChunks] = {};
   std::atomic<std::uint32_t> size_{0};
   boost::lockfree::stack<std::uint32_t> free_{256};
+  boost::lockfree::stack<std::uint32_t> retired_{64};  // completed off the broker thread
   std::atomic<std::size_t> pending_{0};
   // broker thread: armed async deadlines, earliest first (intrusive in the
   // slots: arming one allocates nothing)

@@ -37,8 +37,13 @@ Message Router::call(Message msg, std::chrono::milliseconds timeout) {
 }
 
 void Router::request(Message msg, std::chrono::milliseconds timeout, CallTable::Completion done) {
+  start_request(std::move(msg), timeout, std::move(done), false);
+}
+
+void Router::start_request(Message msg, std::chrono::milliseconds timeout, CallTable::Completion done,
+                           bool anywhere) {
   const std::uint32_t dst = msg.header.dst_id;
-  std::uint32_t handle = calls_.open_async(dst, std::move(done));
+  std::uint32_t handle = calls_.open_async(dst, std::move(done), anywhere);
   msg.header.reply_to = handle;
   try {
     Header h = msg.header;
@@ -52,10 +57,13 @@ void Router::request(Message msg, std::chrono::milliseconds timeout, CallTable::
 std::future<Message> Router::request(Message msg, std::chrono::milliseconds timeout) {
   std::promise<Message> promise;
   auto fut = promise.get_future();
-  request(std::move(msg), timeout, [p = std::move(promise)](Message&& reply, std::exception_ptr err) mutable {
+  // Fulfilling a promise is thread-safe: the thread that brings the reply
+  // (a worker answering a local call) completes it, with no broker hop.
+  auto fulfil = [p = std::move(promise)](Message&& reply, std::exception_ptr err) mutable {
     if (err) p.set_exception(err);
     else p.set_value(std::move(reply));
-  });
+  };
+  start_request(std::move(msg), timeout, std::move(fulfil), /*anywhere=*/true);
   return fut;
 }
 

@@ -305,6 +305,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   void note_refusal(Link& in, std::string_view kind, const std::string& why);
   // calls.cpp
   std::exception_ptr timeout_error(std::uint32_t callee, std::chrono::milliseconds timeout) const;
+  void start_request(Message msg, std::chrono::milliseconds timeout, CallTable::Completion done,
+                     bool anywhere);
   void arm_deadline(std::uint32_t call_slot, Clock::time_point when);  // any thread
   void arm_call_timer();
   // links.cpp

@@ -193,12 +193,13 @@ bool Router::deliver_here(Header& h, std::span<const std::uint8_t> bytes, Messag
     return Message{h, Payload::copy_of(bytes)};
   };
   if (is_call_handle(h.handle)) {
-    // A reply to one of our own calls: a blocking caller is woken from here;
-    // an async call completes on the broker thread (below, via the outbox).
-    if (!calls_.is_blocking(h.handle)) return false;
+    // A reply to one of our own calls: a blocking caller, or a future, is
+    // completed from here; any other async call completes on the broker
+    // thread (below, via the outbox).
+    if (!calls_.completes_anywhere(h.handle)) return false;
     Message m = take();
     m.header = h;
-    if (calls_.complete(h.handle, std::move(m)) == CallTable::Verdict::kStale)
+    if (calls_.complete(h.handle, std::move(m), broker_.on_broker_thread()) == CallTable::Verdict::kStale)
       log().debug("reply to handle {:#x} dropped: the call is no longer pending", h.handle);
     return true;
   }

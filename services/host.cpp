@@ -1,7 +1,11 @@
-// The broker thread decodes each envelope (a bounded copy of the names) only
-// to pick the lane; the worker decodes it again rather than carrying a
-// decoded copy through the lane, which holds plain Messages. Policies run on
-// the worker too: a custom predicate is user code and may be slow.
+// The thread that receives a request (the broker for a peer's, the caller's
+// own for a call from this process) decodes the envelope (a bounded copy of
+// the names) only to pick the lane; the worker decodes it again rather than
+// carrying a decoded copy through the lane, which holds plain Messages.
+// Policies run on the worker too: a custom predicate is user code and may be
+// slow. Picking the lane takes only the host's mutex and the lane set's, so
+// the handler may run on any thread: a local call reaches a worker with one
+// wake-up, not two (caller to broker, broker to worker).
 #include "services/host.h"
 
 #include <fmt/format.h>
@@ -15,7 +19,9 @@ namespace spindle::services {
 
 ServiceHost::ServiceHost(Router& router, Pool& pool) : router_(router), pool_(pool) {
   if (!pool_.attached_broker()) pool_.attach(router_.broker());
-  handle_ = router_.add_handler([this](Message&& m) { on_request(std::move(m)); }, {},
+  HandlerOptions anywhere;
+  anywhere.any_thread = true;
+  handle_ = router_.add_handler([this](Message&& m) { on_request(std::move(m)); }, anywhere,
                                 kHandleCallService);
   if (handle_ == 0) throw Error("CALL_SERVICE (110) already has a handler on this router");
   // Services outlive the workers: on_shutdown runs once they have all left.
