@@ -257,6 +257,19 @@ TEST(RouterRules, SiblingCallsRouteThroughParentByDefault) {
 
 // ------------------------------------------------------------ raw peer (tests/raw_peer.h)
 
+// A root router with one raw child context whose handshake is done.
+struct RawChild {
+  Broker broker;
+  Router router{broker, root_opts()};
+  RawPeer peer;
+  std::uint32_t id = 0;
+  // Attaches the peer and completes its handshake; false if either failed.
+  bool attach() {
+    id = router.allocate_id();
+    return attach_raw(router, peer, id) && peer.handshake() == id;
+  }
+};
+
 TEST(RouterRawPeer, ForgedAuthOrSrcIsRefusedWithReversePath) {
   Broker broker;
   Router router(broker, root_opts());
@@ -300,12 +313,10 @@ TEST(RouterRawPeer, ForgedAuthOrSrcIsRefusedWithReversePath) {
 }
 
 TEST(RouterRawPeer, HonestFrameToUnknownHandleGetsInvalidHandle) {
-  Broker broker;
-  Router router(broker, root_opts());
-  std::uint32_t n = router.allocate_id();
-  RawPeer peer;
-  ASSERT_TRUE(attach_raw(router, peer, n));
-  ASSERT_EQ(peer.handshake(), n);
+  RawChild child;
+  ASSERT_TRUE(child.attach());
+  RawPeer& peer = child.peer;
+  const std::uint32_t n = child.id;
   peer.send_frame(frame(0, n, n, 4321, 77), "anyone?");
   Message d;
   ASSERT_TRUE(peer.read_frame(d));
@@ -323,12 +334,11 @@ TEST(RouterRawPeer, HonestFrameToUnknownHandleGetsInvalidHandle) {
 // after the peer spoke went direct, so a thread writing for many connections
 // in turn woke their brokers for most of its sends.
 TEST(RouterRawPeer, SendsToAnIdleStreamAreWrittenByTheSender) {
-  Broker broker;
-  Router router(broker, root_opts());
-  std::uint32_t n = router.allocate_id();
-  RawPeer peer;
-  ASSERT_TRUE(attach_raw(router, peer, n));
-  ASSERT_EQ(peer.handshake(), n);
+  RawChild child;
+  ASSERT_TRUE(child.attach());
+  Router& router = child.router;
+  RawPeer& peer = child.peer;
+  const std::uint32_t n = child.id;
   const std::uint64_t before = router.stats().direct_writes;
   constexpr int kSends = 3;
   for (int i = 0; i < kSends; ++i) {
