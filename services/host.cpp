@@ -8,6 +8,8 @@
 // wake-up, not two (caller to broker, broker to worker).
 #include "services/host.h"
 
+#include <thread>
+
 #include <fmt/format.h>
 
 #include "broker/errors.h"
@@ -21,8 +23,18 @@ ServiceHost::ServiceHost(Router& router, Pool& pool) : router_(router), pool_(po
   if (!pool_.attached_broker()) pool_.attach(router_.broker());
   HandlerOptions anywhere;
   anywhere.any_thread = true;
-  handle_ = router_.add_handler([this](Message&& m) { on_request(std::move(m)); }, anywhere,
-                                kHandleCallService);
+  // Both sides store, then load the other's flag, all seq_cst: either the
+  // caller sees the entrance closed, or the destructor sees it inside.
+  auto handler = [this, gate = entrance_, &router = router_](Message&& m) {
+    gate->inside.fetch_add(1);
+    if (gate->closed.load()) {
+      gate->inside.fetch_sub(1);
+      return send_dead_reply(router, m, reason::kShuttingDown);
+    }
+    on_request(std::move(m));
+    gate->inside.fetch_sub(1);
+  };
+  handle_ = router_.add_handler(std::move(handler), anywhere, kHandleCallService);
   if (handle_ == 0) throw Error("CALL_SERVICE (110) already has a handler on this router");
   // Services outlive the workers: on_shutdown runs once they have all left.
   pool_.on_stopped([this] {
@@ -38,6 +50,8 @@ ServiceHost::ServiceHost(Router& router, Pool& pool) : router_(router), pool_(po
 }
 
 ServiceHost::~ServiceHost() {
+  entrance_->closed.store(true);
+  while (entrance_->inside.load() > 0) std::this_thread::yield();
   pool_.stop();
   del_handler_on_broker(router_, handle_);
 }

@@ -1,7 +1,8 @@
 // ServiceHost: serves CALL_SERVICE (110) on a Router with a Pool's workers.
 //
-// Role: registers handle 110 on the router. On the broker thread it only
-// reads the envelope's names (bounded) and hands the request to the
+// Role: registers handle 110 on the router. On the thread that receives a
+// request (the broker for a peer's, the caller's own for a local call) it
+// only reads the envelope's names (bounded) and hands the request to the
 // service's lane in the pool: a malformed envelope or an unknown service is
 // answered there with a dead reply naming it. On a worker it finds the
 // method, checks its policy (an unknown method or a refusal: dead reply),
@@ -68,7 +69,8 @@ class ServiceHost {
     std::unique_ptr<Service> service;
     Lane* lane = nullptr;
   };
-  void on_request(Message&& m);           // broker thread
+  // The thread that received the request: the broker, or a local caller.
+  void on_request(Message&& m);
   void run(Service& svc, Message&& m);    // worker
   void reject(const Message& m, std::string_view why);
 
@@ -78,6 +80,14 @@ class ServiceHost {
   std::map<std::string, Entry, std::less<>> services_;
   std::uint32_t handle_ = 0;
   std::atomic<std::uint64_t> received_{0}, answered_{0}, rejected_{0};
+  // A local caller may be inside on_request() on its own thread while the
+  // host is destroyed: the handler holds this gate (which outlives the
+  // host), and the destructor closes it and waits for those inside.
+  struct Entrance {
+    std::atomic<int> inside{0};
+    std::atomic<bool> closed{false};
+  };
+  std::shared_ptr<Entrance> entrance_ = std::make_shared<Entrance>();
 };
 
 }  // namespace spindle::services

@@ -5,6 +5,8 @@
 #include <future>
 #include <string>
 #include <thread>
+#include <vector>
+#include <memory>
 
 #include <gtest/gtest.h>
 
@@ -53,6 +55,48 @@ TEST(ServicesStop, StopFromInsideAHandlerThenRequestsAfterStop) {
   EXPECT_EQ(shutdowns.load(), 1);
   rig.pool.stop();
   EXPECT_EQ(shutdowns.load(), 1);
+}
+
+// Local callers run the host's handler on their own threads (it only picks
+// a lane), so a host may be destroyed while one is inside it. The
+// destructor waits for them, and every call still gets an answer: its
+// reply, or a dead reply (shutting down, or no handler once it is gone).
+TEST(ServicesStop, HostDestroyedWhileLocalCallersAreInsideIt) {
+  Broker broker;
+  Router router(broker, RouterOptions{.name = "root"});
+  services::Pool pool(pool_of(2));
+  auto host = std::make_unique<services::ServiceHost>(router, pool);
+  auto echo = std::make_unique<services::Service>("echo");
+  echo->expose("say", Access::any(), [](Request& r) { return r.args(); });
+  host->add(std::move(echo));
+  Context self(router, router.id(), "self");
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> replies{0}, dead{0}, other{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 3; ++c)
+    callers.emplace_back([&] {
+      while (!stop.load()) {
+        try {
+          auto f = services::call_async(self, "echo", "say", Payload::copy_of("hi"), 10s);
+          if (f.get().text() == "hi") ++replies;
+          else ++other;
+        } catch (const ChannelError&) {
+          ++dead;
+        } catch (...) {
+          ++other;
+        }
+      }
+    });
+  ASSERT_TRUE(eventually([&] { return replies.load() > 100; }, 20s));
+  host.reset();  // with callers inside, or about to be
+  const int at_reset = dead.load() + replies.load();
+  ASSERT_TRUE(eventually([&] { return dead.load() + replies.load() > at_reset + 100; }, 20s));
+  stop = true;
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(other.load(), 0) << "a call ended with neither its reply nor a dead reply";
+  EXPECT_GT(dead.load(), 0) << "no call was refused after the host went";
+  EXPECT_EQ(router.stats().pending_calls, 0u);
 }
 
 TEST(ServicesStop, InFlightCallFinishesQueuedCallsPastTheDeadlineAreAnswered) {
