@@ -43,13 +43,24 @@ class Gate {
   // Returns false if the hang guard ran out first.
   bool wait(std::chrono::milliseconds guard = std::chrono::seconds(20)) {
     std::unique_lock lk(mu_);
-    return cv_.wait_for(lk, guard, [&] { return open_; });
+    ++waiting_;
+    bool opened = cv_.wait_for(lk, guard, [&] { return open_; });
+    --waiting_;
+    return opened;
+  }
+  // Threads inside wait(): a handler that blocks here has started. (The
+  // pool's `running` counts a message from the moment it is handed to a
+  // worker, which may not have woken yet.)
+  int waiting() {
+    std::lock_guard lk(mu_);
+    return waiting_;
   }
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = false;
+  int waiting_ = 0;
 };
 
 inline services::PoolOptions pool_of(std::size_t threads,

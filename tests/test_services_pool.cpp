@@ -81,7 +81,7 @@ TEST(ServicesPool, BusyWorkerTakesQueuedWorkWithoutWakeUps) {
   ASSERT_TRUE(eventually([&] { return rig.pool.stats().idle == 1; }));
   auto before = rig.pool.stats();
   auto blocked = services::call_async(rig.self, "echo", "block");
-  ASSERT_TRUE(eventually([&] { return rig.pool.stats().running == 1; }));
+  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));
   std::vector<std::future<Message>> queued;
   for (int i = 0; i < 50; ++i)
     queued.push_back(services::call_async(rig.self, "echo", "say", Payload::copy_of(std::to_string(i))));
@@ -137,7 +137,7 @@ TEST(ServicesPool, BusyServiceDoesNotStarveAnother) {
   rig.add(std::move(quiet));
   std::vector<std::future<Message>> calls;
   calls.push_back(services::call_async(rig.self, "flood", "block"));
-  ASSERT_TRUE(eventually([&] { return rig.pool.stats().running == 1; }));
+  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));
   for (int i = 0; i < 20; ++i)
     calls.push_back(services::call_async(rig.self, "flood", "work", Payload::copy_of(std::to_string(i))));
   calls.push_back(services::call_async(rig.self, "quiet", "work"));

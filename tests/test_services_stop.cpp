@@ -111,7 +111,7 @@ TEST(ServicesStop, InFlightCallFinishesQueuedCallsPastTheDeadlineAreAnswered) {
   s->expose("echo", Access::any(), [](Request& r) { return r.args(); });
   rig.add(std::move(s));
   auto inflight = services::call_async(rig.self, "counted", "block");
-  ASSERT_TRUE(eventually([&] { return rig.pool.stats().running == 1; }));
+  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));
   std::vector<std::future<Message>> queued;
   for (int i = 0; i < 3; ++i) queued.push_back(services::call_async(rig.self, "counted", "echo"));
   ASSERT_TRUE(eventually([&] { return rig.pool.stats().queued == 3; }));
@@ -139,7 +139,7 @@ TEST(ServicesStop, QueuedCallsRunWhenStoppedWithinTheDeadline) {
   s->expose("echo", Access::any(), [](Request& r) { return r.args(); });
   rig.add(std::move(s));
   auto inflight = services::call_async(rig.self, "q", "block");
-  ASSERT_TRUE(eventually([&] { return rig.pool.stats().running == 1; }));
+  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));
   auto queued = services::call_async(rig.self, "q", "echo", Payload::copy_of("still run"));
   ASSERT_TRUE(eventually([&] { return rig.pool.stats().queued == 1; }));
   std::thread stopper([&] { rig.pool.stop(); });
@@ -165,7 +165,7 @@ TEST(ServicesStop, BrokerShutdownStopsThePoolFirst) {
   host.add(std::move(s));
   Context self(router, router.id(), "self");
   auto inflight = services::call_async(self, "counted", "block");
-  ASSERT_TRUE(eventually([&] { return pool.stats().running == 1; }));
+  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));
   broker.shutdown();
   ASSERT_TRUE(eventually([&] { return pool.stopping(); }));
   // The broker waits for the pool: it has not stopped with a call in flight.
