@@ -126,6 +126,12 @@ std::uint32_t CallTable::open_async(std::uint32_t callee, Completion done, bool 
 }
 
 void CallTable::free_slot(Slot& s, std::uint32_t index) {
+  pending_.fetch_sub(1, std::memory_order_relaxed);
+  recycle(s, index);
+}
+
+// Broker thread for async slots (it alone unlinks a deadline).
+void CallTable::recycle(Slot& s, std::uint32_t index) {
   if (s.armed) {
     deadlines_->set.erase(deadlines_->set.iterator_to(s));
     s.armed = false;
@@ -135,7 +141,6 @@ void CallTable::free_slot(Slot& s, std::uint32_t index) {
   s.done.reset();
   std::uint32_t w = s.word.load(std::memory_order_relaxed);
   s.word.store((w & ~7u) | kFree, std::memory_order_release);
-  pending_.fetch_sub(1, std::memory_order_relaxed);
   free_.push(index);
 }
 
@@ -182,11 +187,7 @@ void CallTable::finish(Slot& s, std::uint32_t index, Message&& m, std::exception
 
 void CallTable::reap_retired() {
   std::uint32_t index;
-  while (retired_.pop(index)) {
-    Slot& s = at(index);
-    pending_.fetch_add(1, std::memory_order_relaxed);  // free_slot counts it out again
-    free_slot(s, index);
-  }
+  while (retired_.pop(index)) recycle(at(index), index);  // counted out when retired
 }
 
 CallTable::Verdict CallTable::complete(std::uint32_t handle, Message&& m, bool on_broker) {

@@ -113,7 +113,8 @@ class CallTable {
   std::uint32_t open(std::uint32_t callee, bool blocking, Completion done, bool anywhere);
   bool claim(Slot& s, std::uint32_t handle);
   void finish(Slot& s, std::uint32_t index, Message&& m, std::exception_ptr e, bool on_broker = true);
-  void free_slot(Slot& s, std::uint32_t index);
+  void free_slot(Slot& s, std::uint32_t index);  // counts it out of pending(), then recycles
+  void recycle(Slot& s, std::uint32_t index);    // unlinks, clears and frees it
   void reap_retired();  // broker thread: frees the slots completed elsewhere
   void grow();
 

@@ -68,11 +68,13 @@ class TxGate {
     const std::uint32_t s = load();
     return s == kDirectOk || (s == 0 && idle_long_enough());
   }
+  // Takes the fd for a direct write that direct_allowed() just allowed, if
+  // the stream is still idle. The idle time is not read again: another
+  // thread's direct write in between costs at most one more direct write.
   bool try_acquire_direct() {
     std::uint32_t expect = kDirectOk;
     if (state_.compare_exchange_strong(expect, kBusy | kUser, std::memory_order_acq_rel)) return true;
-    if (expect != 0 || !idle_long_enough()) return false;
-    return state_.compare_exchange_strong(expect, kBusy | kUser, std::memory_order_acq_rel);
+    return expect == 0 && state_.compare_exchange_strong(expect, kBusy | kUser, std::memory_order_acq_rel);
   }
   // After a direct write: the idle rule counts from here.
   void note_direct_write() {
@@ -138,8 +140,8 @@ class StreamPort {
 
   enum class Direct { kNotIdle, kWritten, kFailed };
   // On an application thread, for a frame without fds or memfd body whose
-  // `charged` bytes are already on the gauge: writes it now if the stream
-  // is idle. kWritten: the frame is the stream's (written whole, or its rest
+  // `charged` bytes are already on the gauge, once gate.direct_allowed()
+  // said yes: writes it now if the stream is still idle. kWritten: the frame is the stream's (written whole, or its rest
   // handed to the broker). kNotIdle: queue it the usual way. kFailed: the
   // connection is gone; `error` says why (the broker closes the stream).
   Direct try_write(const Header& h, const Payload& body, std::size_t charged, std::string& error);
