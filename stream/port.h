@@ -141,9 +141,10 @@ class StreamPort {
   enum class Direct { kNotIdle, kWritten, kFailed };
   // On an application thread, for a frame without fds or memfd body whose
   // `charged` bytes are already on the gauge, once gate.direct_allowed()
-  // said yes: writes it now if the stream is still idle. kWritten: the frame is the stream's (written whole, or its rest
-  // handed to the broker). kNotIdle: queue it the usual way. kFailed: the
-  // connection is gone; `error` says why (the broker closes the stream).
+  // said yes: writes it now if the stream is still idle. kWritten: the frame
+  // is the stream's (written whole, or its rest handed to the broker).
+  // kNotIdle: queue it the usual way. kFailed: the connection is gone;
+  // `error` says why (the broker closes the stream).
   Direct try_write(const Header& h, const Payload& body, std::size_t charged, std::string& error);
 
   // Set by the stream before it is shared.

@@ -7,8 +7,9 @@
 // the busy streams): the rest wait in the chunk for the stream's next turn,
 // so a pass over every busy stream, and the wait of a stream that has just
 // become readable, stays short however many peers flood. After a read that
-// filled its target, or with frames left, the next turn is posted; after a
-// short read the stream waits for readability. Before each
+// filled its target or ended at a message with fds (the kernel stops there),
+// or with frames left, the next turn is posted; after another short read the
+// stream waits for readability. Before each
 // read the peer's account is checked: over its limit, the stream stops
 // reading until a release brings it back under (Account::on_relief).
 //
@@ -346,6 +347,7 @@ void Stream::arm_read() {
     return;
   if (over_limit()) return;
   read_armed_ = true;
+  ++stats_.read_waits;
   rd_.async_wait(asio::posix::descriptor_base::wait_read,
                  [self = shared_from_this()](const std::error_code& ec) {
                    self->read_armed_ = false;
@@ -371,7 +373,12 @@ void Stream::do_read() {
     return close(failure("read", err));
   }
   if (n == 0) return on_eof();
-  on_read(static_cast<std::size_t>(n), static_cast<std::size_t>(n) == target.size());
+  // A read that filled its target, or ended at a message with fds, is
+  // followed by another turn's read rather than a wait for readability
+  // (async_wait costs an epoll_ctl, and the wait an epoll_wait: per message,
+  // for a peer that passes an fd with each).
+  on_read(static_cast<std::size_t>(n),
+          static_cast<std::size_t>(n) == target.size() || read_stopped_at_fds_);
 }
 
 void Stream::arm_write() {

@@ -138,6 +138,7 @@ struct StreamStats {
   std::uint64_t writes = 0;  // write syscalls that moved bytes
   std::uint64_t fds_in = 0, fds_out = 0;
   std::uint64_t read_pauses = 0;  // times reading stopped for the memory limit
+  std::uint64_t read_waits = 0;   // times reading waited for readability (epoll)
 };
 
 class Stream : public std::enable_shared_from_this<Stream> {
@@ -220,6 +221,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool stalled() const;  // paused over the limit, or (untrusted) output over the mark
   void note_queued();
   void do_read();
+  // One recvmsg (read on a pipe). Sets read_stopped_at_fds_.
   ssize_t read_once(std::span<std::uint8_t> target);
   void on_read(std::size_t n, bool filled);
   void queue_input_turn();
@@ -273,6 +275,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool read_armed_ = false, write_armed_ = false;
   bool input_left_ = false;       // parsed frames remain for the next turn
   bool last_read_filled_ = false;  // more is likely waiting in the socket
+  // The last read brought fds. The kernel ends a read at the message that
+  // carries them, so a short read then says nothing about what is left.
+  bool read_stopped_at_fds_ = false;
   bool paused_ = false;           // reading stopped: the account is over its limit
   bool input_held_ = false;       // reading stopped by hold_input() until hold_timer_
   bool eof_seen_ = false, write_shut_ = false;

@@ -30,6 +30,7 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target) {
   mh.msg_iovlen = 1;
   mh.msg_control = control;
   mh.msg_controllen = sizeof control;
+  read_stopped_at_fds_ = false;
   ssize_t n = ::recvmsg(fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
   if (n < 0) return n;
   FdBatch batch;
@@ -47,6 +48,7 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target) {
   // more arrived than fit). Never ignored: the frame they belong to fails.
   batch.truncated = (mh.msg_flags & MSG_CTRUNC) != 0;
   if (!batch.fds.empty() || batch.truncated) {
+    read_stopped_at_fds_ = true;
     stats_.fds_in += batch.fds.size();
     rx_fds_.push_back(std::move(batch));
   }

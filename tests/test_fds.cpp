@@ -139,6 +139,26 @@ TEST(FdsStream, RawPeerSplittingAFrameIntoManyWritesStillBindsItsFds) {
   close_fd(sp.b);
 }
 
+// The kernel ends a read at each message that carries fds, so such a short
+// read does not mean the socket is empty. Frames waiting with an fd each are
+// read turn after turn, not with a wait for readability (an epoll_ctl and an
+// epoll_wait) per frame, as they were.
+TEST(FdsStream, FramesWaitingWithAnFdEachAreReadWithoutAWaitPerFrame) {
+  constexpr int kFrames = 100;
+  FdPair sp = make_socketpair();
+  auto fds = pipe_fds(1);
+  std::vector<int> one{fds[0].get()};
+  for (int i = 0; i < kFrames; ++i)
+    ASSERT_TRUE(send_with_fds(sp.b, sf_frame(static_cast<std::uint32_t>(i + 1), 1, "x"), one));
+  FdRecorder rec;
+  StreamHarness h;
+  Stream* rx = h.make(sp.a, sp.a, &rec);
+  ASSERT_TRUE(rec.wait_messages(kFrames));
+  const StreamStats st = h.on([&] { return rx->stats(); });
+  EXPECT_EQ(st.fds_in, static_cast<std::uint64_t>(kFrames));
+  EXPECT_LT(st.read_waits, 10u) << "a wait for readability per frame";
+}
+
 TEST(FdsStream, MoreThan253FdsIsAClearError) {
   FdRecorder tx_rec, rx_rec;
   StreamHarness h;
