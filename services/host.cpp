@@ -25,14 +25,16 @@ ServiceHost::ServiceHost(Router& router, Pool& pool) : router_(router), pool_(po
   anywhere.any_thread = true;
   // Both sides store, then load the other's flag, all seq_cst: either the
   // caller sees the entrance closed, or the destructor sees it inside.
+  // The count drops however the handler ends (it may throw): a count left
+  // behind would hold the destructor forever.
   auto handler = [this, gate = entrance_, &router = router_](Message&& m) {
-    gate->inside.fetch_add(1);
-    if (gate->closed.load()) {
-      gate->inside.fetch_sub(1);
-      return send_dead_reply(router, m, reason::kShuttingDown);
-    }
+    struct Inside {
+      Entrance& e;
+      explicit Inside(Entrance& en) : e(en) { e.inside.fetch_add(1); }
+      ~Inside() { e.inside.fetch_sub(1); }
+    } inside(*gate);
+    if (gate->closed.load()) return send_dead_reply(router, m, reason::kShuttingDown);
     on_request(std::move(m));
-    gate->inside.fetch_sub(1);
   };
   handle_ = router_.add_handler(std::move(handler), anywhere, kHandleCallService);
   if (handle_ == 0) throw Error("CALL_SERVICE (110) already has a handler on this router");
