@@ -14,10 +14,13 @@
 //
 // --hostile K (issue #11 §5) mixes K hostile clients (bench/hostile.h) into
 // the load, against a router started with explicit memory limits
-// (kHostileRouterArgs), while two extra honest clients ping-pong without
-// pause to measure the honest round trip. Targets: every honest message
-// delivered in order, the router's peak RSS (VmHWM) under its global limit
-// plus kRssMarginMiB, the honest p99 round trip under kRttTargetMs.
+// (kHostileRouterArgs), while honest clients ping-pong without pause to
+// measure the honest round trip (bench/rtt_probe.h): one pair in a process of
+// its own session, whose p99 is the target row, and one pair inside this
+// process, beside the load's 256 client threads, printed for comparison.
+// Targets: every honest message delivered in order, the router's peak RSS
+// (VmHWM) under its global limit plus kRssMarginMiB, the honest p99 round
+// trip under kRttTargetMs.
 //
 // Usage: bench_load [--quick] [--clients N] [--messages M] [--size BYTES]
 //                   [--hostile K] [--router-log PATH] [--json PATH]
@@ -48,6 +51,7 @@
 
 #include "bench/hostile.h"
 #include "bench/report.h"
+#include "bench/rtt_probe.h"
 #include "bench/sched_probe.h"
 #include "tests/load_scenario.h"
 #include "tests/process_util.h"
@@ -111,116 +115,28 @@ constexpr std::chrono::seconds kWarmupLimit{15};
 const std::vector<std::string> kHostileRouterArgs = {
     "--memory-limit", fmt::format("{}M", kGlobalLimitMiB), "--peer-memory-limit",
     fmt::format("{}M", kPeerLimitMiB), "--stall-timeout", "2s", "--accept-client-logs"};
-constexpr std::uint32_t kRttEcho = 2400;
-constexpr std::size_t kRttSize = 64;
-
-// A wall-clock time as the router's log writes it (UTC, milliseconds).
-std::string utc(std::chrono::system_clock::time_point t) {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
-  return fmt::format("{:%H:%M:%S}.{:03}", std::chrono::floor<std::chrono::seconds>(t), ms % 1000);
+// Prints one probe's round trips; the figures of the target row come from
+// the isolated probe.
+void print_rtt(const char* label, const bench::RttSummary& s) {
+  const bench::Percentiles p = bench::percentiles(s.ms);
+  const double max_ms = s.ms.empty() ? 0 : *std::max_element(s.ms.begin(), s.ms.end());
+  std::printf("  %s p50 %.3f ms, p99 %.3f ms, max %.3f ms (sent at %s UTC) over %zu round trips, "
+              "%llu failed\n",
+              label, p.median, p.p99, max_ms, s.worst_at.c_str(), s.ms.size(),
+              static_cast<unsigned long long>(s.failures));
 }
-
-// Two extra honest clients: A calls B's echo handler back to back, from its
-// own thread, until stop(); every round trip is recorded, every failure
-// (error, timeout, wrong bytes) counted.
-class RttProbe {
- public:
-  explicit RttProbe(const std::string& socket) : socket_(socket) {
-    b_.router().add_handler(
-        [this, &r = b_.router()](Message&& m) {
-          echoed_.fetch_add(1, std::memory_order_relaxed);
-          r.reply(m, std::move(m.data));
-        },
-        {}, kRttEcho);
-    b_.connect(UnixAddress::parse(socket));
-    a_.connect(UnixAddress::parse(socket));
-    thread_ = std::thread([this] { loop(); });
-  }
-  ~RttProbe() { stop(); }
-  void stop() {
-    stop_.store(true);
-    if (thread_.joinable()) thread_.join();
-  }
-  const std::vector<double>& ms() const { return ms_; }  // after stop()
-  std::uint64_t failures() const { return failures_; }
-  const std::string& first_error() const { return first_error_; }
-  // When the slowest round trip was sent, to find it in the router's log.
-  const std::string& worst_at() const { return worst_at_; }
-
- private:
-  // The router's own stats lines and the probe clients' (each on a line of
-  // its own, indented), or why they could not be had.
-  std::string router_view() const {
-    std::string out;
-    try {
-      const std::string s = testutil::router_stats_text(socket_);
-      std::size_t at = 0;
-      while (at < s.size()) {
-        std::size_t nl = std::min(s.find('\n', at), s.size());
-        std::string_view line(s.data() + at, nl - at);
-        if (line.find("rtt-") != std::string_view::npos || line.starts_with("router"))
-          out += fmt::format("\n    {}", line);
-        at = nl + 1;
-      }
-    } catch (const std::exception& e) {
-      out += fmt::format("\n    stats: {}", e.what());
-    }
-    return out;
-  }
-
-  void loop() {
-    Context to_b = a_.context(b_.id());
-    std::string msg(kRttSize, '\0');
-    for (std::size_t i = 0; !stop_.load(); ++i) {
-      for (std::size_t k = 0; k < kRttSize; ++k) msg[k] = static_cast<char>(i * 7 + k);
-      auto t0 = std::chrono::steady_clock::now();
-      const auto wall = std::chrono::system_clock::now();
-      try {
-        // Long enough that a scheduler stall shows as a slow round trip;
-        // a failure is a lost or refused call.
-        std::string back = to_b.call(kRttEcho, msg, std::chrono::seconds(60));
-        auto t1 = std::chrono::steady_clock::now();
-        if (back != msg) throw Error("echo came back changed");
-        ms_.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-        if (ms_.back() > worst_ms_) {
-          worst_ms_ = ms_.back();
-          worst_at_ = utc(wall);
-        }
-      } catch (const std::exception& e) {
-        // Where it stopped: had the echo side answered this call (i + 1
-        // requests) or not (i: the request never reached it)?
-        if (failures_++ == 0) {
-          first_error_ = fmt::format("{} (sent at {} UTC; the echo side had answered {} of {} requests)",
-                                     e.what(), utc(wall), echoed_.load(), i + 1);
-          first_error_ += router_view();
-        }
-      }
-    }
-  }
-  Connection a_{RouterOptions{.name = "rtt-caller"}}, b_{RouterOptions{.name = "rtt-echo"}};
-  std::string socket_;
-  std::atomic<bool> stop_{false};
-  std::atomic<std::uint64_t> echoed_{0};  // requests the echo handler answered
-  std::vector<double> ms_;
-  std::uint64_t failures_ = 0;
-  std::string first_error_;
-  double worst_ms_ = -1;
-  std::string worst_at_;
-  std::thread thread_;
-};
 
 // Prints and adds the --hostile rows; false (with the reason printed) if
 // the router's peak RSS or the honest round trip missed its target.
 bool report_hostile(bench::Report& report, int k, const bench::hostile::Swarm& swarm,
-                    const RttProbe& probe, long hwm_kib, const std::string& stats) {
+                    const bench::RttSummary& own, const bench::RttSummary& shared, long hwm_kib,
+                    const std::string& stats) {
   namespace h = bench::hostile;
   bool ok = true;
   const double hwm_mib = static_cast<double>(hwm_kib) / 1024;
   const double rss_target = static_cast<double>(kGlobalLimitMiB + kRssMarginMiB);
   const long long peak = testutil::stats_field(stats, " memory_peak=");
   const double peak_mib = peak < 0 ? std::nan("") : static_cast<double>(peak) / (1 << 20);
-  const bench::Percentiles p = bench::percentiles(probe.ms());
-  const double max_ms = probe.ms().empty() ? 0 : *std::max_element(probe.ms().begin(), probe.ms().end());
   std::printf("hostile: %d clients; router limits %s (RSS target: limit + %ld MiB)\n", k,
               fmt::format("{}", fmt::join(kHostileRouterArgs, " ")).c_str(), kRssMarginMiB);
   for (int i = 0; i < h::kKinds; ++i) {
@@ -243,30 +159,33 @@ bool report_hostile(bench::Report& report, int k, const bench::hostile::Swarm& s
     std::printf("  memory_peak     not reported by this router's stats service\n");
   else
     std::printf("  memory_peak     %.1f MiB accounted (limit %ld MiB)\n", peak_mib, kGlobalLimitMiB);
-  std::printf("  honest rtt      p50 %.3f ms, p99 %.3f ms, max %.3f ms (sent at %s UTC) over %zu round "
-              "trips, %llu failed (target p99 < %.0f ms)\n",
-              p.median, p.p99, max_ms, probe.worst_at().c_str(), probe.ms().size(),
-              static_cast<unsigned long long>(probe.failures()), kRttTargetMs);
+  print_rtt(fmt::format("honest rtt, a client process of its own (target p99 < {:.0f} ms):\n   ", kRttTargetMs).c_str(), own);
+  print_rtt("honest rtt, clients inside the load generator's process:\n   ", shared);
+  const bench::Percentiles p = bench::percentiles(own.ms), ps = bench::percentiles(shared.ms);
   report.add("load_hostile_clients", k, "clients");
   report.add("load_hostile_router_hwm_MiB", hwm_mib, "MiB", rss_target);
   report.add("load_hostile_router_memory_peak_MiB", peak_mib, "MiB", static_cast<double>(kGlobalLimitMiB));
   report.add("load_hostile_honest_rtt_p50_ms", p.median, "ms");
   report.add("load_hostile_honest_rtt_p99_ms", p.p99, "ms", kRttTargetMs);
-  report.add("load_hostile_honest_rtt_max_ms", max_ms, "ms");
-  report.add("load_hostile_honest_rtt_samples", static_cast<double>(probe.ms().size()), "");
-  report.add("load_hostile_honest_rtt_failures", static_cast<double>(probe.failures()), "");
+  report.add("load_hostile_honest_rtt_max_ms", own.ms.empty() ? 0 : *std::max_element(own.ms.begin(), own.ms.end()), "ms");
+  report.add("load_hostile_honest_rtt_samples", static_cast<double>(own.ms.size()), "");
+  report.add("load_hostile_honest_rtt_failures", static_cast<double>(own.failures + shared.failures), "");
+  report.add("load_hostile_in_load_process_rtt_p50_ms", ps.median, "ms");
+  report.add("load_hostile_in_load_process_rtt_p99_ms", ps.p99, "ms");
   if (hwm_kib < 0 || hwm_mib >= rss_target) {
     std::printf("  MISSED: router peak RSS %.1f MiB >= %.0f MiB\n", hwm_mib, rss_target);
     ok = false;
   }
-  if (probe.ms().empty() || p.p99 >= kRttTargetMs) {
+  if (own.ms.empty() || p.p99 >= kRttTargetMs) {
     std::printf("  MISSED: honest p99 round trip %.3f ms >= %.0f ms\n", p.p99, kRttTargetMs);
     ok = false;
   }
-  if (probe.failures() > 0) {
-    std::printf("  MISSED: %llu honest round trips failed, the first: %s\n",
-                static_cast<unsigned long long>(probe.failures()), probe.first_error().c_str());
-    ok = false;
+  for (const bench::RttSummary* s : {&own, &shared}) {
+    if (s->failures > 0) {
+      std::printf("  MISSED: %llu honest round trips failed, the first: %s\n",
+                  static_cast<unsigned long long>(s->failures), s->first_error.c_str());
+      ok = false;
+    }
   }
   return ok;
 }
@@ -312,6 +231,8 @@ int main(int argc, char** argv) {
   }
   bench::SchedulerProbe sched;
   sched.start();  // forks: before any thread exists
+  bench::IsolatedRttProbe own_probe;
+  if (hostiles) own_probe.fork_early();
   raise_fd_limit();  // each client is a broker and a socket: 256 of them need fds
   log().set_level(spdlog::level::warn);
   testutil::TempDir dir;
@@ -326,10 +247,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   const long rss_before = testutil::vm_rss_kib(router.pid());
-  std::unique_ptr<RttProbe> probe;
+  std::unique_ptr<bench::RttProbe> probe;
   std::unique_ptr<bench::hostile::Swarm> swarm;
   if (hostiles) {
-    probe = std::make_unique<RttProbe>(o.socket);
+    own_probe.start(o.socket);
+    probe = std::make_unique<bench::RttProbe>(o.socket);
     swarm = std::make_unique<bench::hostile::Swarm>(o.socket, *hostiles);
     // The honest load starts once the attack is in its steady state: each
     // non-reading kind present has filled its limit and been disconnected
@@ -346,7 +268,12 @@ int main(int argc, char** argv) {
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - warmup).count());
   }
   load::Result r = load::run(o);
-  if (probe) probe->stop();
+  bench::RttSummary own, shared;
+  if (probe) {
+    own = own_probe.stop();
+    probe->stop();
+    shared = probe->summary();
+  }
   if (swarm) swarm->stop();
   const bench::SchedulerProbe::Result stalls = sched.stop();
   const long rss_after = testutil::vm_rss_kib(router.pid());
@@ -389,7 +316,7 @@ int main(int argc, char** argv) {
   report.add("load_router_hwm_KiB", static_cast<double>(hwm), "KiB");
   report.add("load_sched_sleeper_late_p99_ms", stalls.p99_ms, "ms");
   report.add("load_sched_sleeper_late_max_ms", stalls.max_ms, "ms");
-  if (hostiles) ok = report_hostile(report, *hostiles, *swarm, *probe, hwm, stats) && ok;
+  if (hostiles) ok = report_hostile(report, *hostiles, *swarm, own, shared, hwm, stats) && ok;
   try {
     report.finish();
   } catch (const std::exception& e) {

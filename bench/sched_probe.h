@@ -7,13 +7,11 @@
 // by its own work.
 //
 // Thread safety: start() before the process starts any thread (it forks);
-// stop() once, from the same thread. Ownership: owns the child and its pipes.
+// stop() once, from the same thread. Ownership: owns the child (PipedChild).
 #pragma once
 
 #include <fcntl.h>
 #include <poll.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/piped_child.h"
 #include "bench/report.h"
 #include "broker/errors.h"
 
@@ -34,50 +33,16 @@ class SchedulerProbe {
     double p99_ms = 0, max_ms = 0;
   };
 
-  void start() {
-    int ctl[2], out[2];
-    if (::pipe2(ctl, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0)
-      throw Error(std::string("pipe2: ") + errno_text(errno));
-    pid_ = ::fork();
-    if (pid_ < 0) throw Error(std::string("fork: ") + errno_text(errno));
-    if (pid_ == 0) {
-      ::close(ctl[1]);
-      ::close(out[0]);
-      run_child(ctl[0], out[1]);  // never returns
-    }
-    ::close(ctl[0]);
-    ::close(out[1]);
-    ctl_ = ctl[1];
-    out_ = out[0];
-  }
+  void start() { child_.fork(run_child); }
 
   // Ends the child's sampling; its figures, or an Error.
   Result stop() {
-    if (pid_ <= 0) return {};
-    ::close(ctl_);  // EOF: the child writes its figures and exits
+    if (!child_.forked()) return {};
+    const std::string bytes = child_.finish();  // EOF: the child writes its figures
     Result r;
-    std::size_t got = 0;
-    auto* p = reinterpret_cast<char*>(&r);
-    while (got < sizeof r) {
-      ssize_t n = ::read(out_, p + got, sizeof r - got);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      got += static_cast<std::size_t>(n);
-    }
-    ::close(out_);
-    int st = 0;
-    while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
-    }
-    pid_ = -1;
-    if (got != sizeof r) throw Error("the scheduler probe ended without its figures");
+    if (bytes.size() != sizeof r) throw Error("the scheduler probe ended without its figures");
+    std::memcpy(&r, bytes.data(), sizeof r);
     return r;
-  }
-
-  ~SchedulerProbe() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
   }
 
  private:
@@ -103,8 +68,7 @@ class SchedulerProbe {
     ::_exit(w == static_cast<ssize_t>(sizeof res) ? 0 : 1);
   }
 
-  pid_t pid_ = -1;
-  int ctl_ = -1, out_ = -1;
+  PipedChild child_;
 };
 
 }  // namespace spindle::bench
