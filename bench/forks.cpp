@@ -4,7 +4,13 @@
 // per worker, the slowest worker's latency, failures, and a raw fork()+_exit()
 // floor measured in the same run; it draws the scaling as an SVG.
 //
-// Usage: bench_forks [--quick] [--max N] [--calls K] [--burst-only] [--svg PATH] [--json PATH]
+// Then it grows itself by --parent-mib of heap and starts children from it,
+// each way: fork_child(), and through a Zygote started first thing in main
+// (bench/child_start.h); the floor is fork()+_exit() of the process before it
+// grew.
+//
+// Usage: bench_forks [--quick] [--max N] [--calls K] [--burst-only] [--parent-mib M]
+//                    [--svg PATH] [--json PATH]
 // Rows (bench/report.h; names in bench/README.md) go to the --json PATH.
 // Target (issue 3): <= 0.3 ms per worker at N = 1024 in burst mode, 0 failures.
 #include <unistd.h>
@@ -17,6 +23,7 @@
 
 #include <fmt/format.h>
 
+#include "bench/child_start.h"
 #include "bench/report.h"
 #include "tests/forks_scaling.h"
 
@@ -92,7 +99,8 @@ void write_svg(const std::string& path, const std::vector<Row>& rows) {
 int main(int argc, char** argv) {
   bench::Report report("bench_forks");
   const char* usage =
-      "usage: %s [--quick] [--max N] [--calls K] [--burst-only] [--svg PATH] [--json PATH]\n";
+      "usage: %s [--quick] [--max N] [--calls K] [--burst-only] [--parent-mib M] [--svg PATH] "
+      "[--json PATH]\n";
   try {
     report.take_args(argc, argv);
   } catch (const std::exception& e) {
@@ -105,6 +113,7 @@ int main(int argc, char** argv) {
   std::string svg = "bench_forks.svg";
   int calls = scaling::Options{}.calls;
   bool one_at_a_time = true;
+  std::size_t parent_mib = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--quick") quick = true;
@@ -112,12 +121,19 @@ int main(int argc, char** argv) {
     else if (a == "--svg" && i + 1 < argc) svg = argv[++i];
     else if (a == "--calls" && i + 1 < argc) calls = std::atoi(argv[++i]);
     else if (a == "--burst-only") one_at_a_time = false;
+    else if (a == "--parent-mib" && i + 1 < argc) parent_mib = std::strtoul(argv[++i], nullptr, 10);
     else {
       std::fprintf(stderr, usage, argv[0]);
       return 2;
     }
   }
   if (quick) max_n = std::min(max_n, 32);
+  if (parent_mib == 0) parent_mib = quick ? 64 : 1024;
+  // While this process is small and has no thread: the zygote is a copy of
+  // it as it is now, and so is the floor's fork.
+  std::unique_ptr<Zygote> zygote = Zygote::start();
+  constexpr int kFloorForks = 64;
+  const double small_fork_exit_ms = scaling::detail::raw_fork_exit_ms(kFloorForks) / kFloorForks;
   log().set_level(spdlog::level::warn);
   testutil::TempDir dir;
   std::string sock = dir.path() + "/router.sock";
@@ -159,6 +175,19 @@ int main(int argc, char** argv) {
                   "failures -> %s\n",
                   max_n, row.r.wall_ms / max_n, row.r.failures,
                   row.r.wall_ms / max_n <= 0.3 && row.r.failures == 0 ? "MET" : "MISSED");
+  {
+    const int children = quick ? 4 : 16;
+    bench::ChildStartResult cs = bench::measure_child_start(*zygote, parent_mib, children);
+    total_failures += cs.failures;
+    std::printf("\nchild start from a parent grown by %zu MiB, until the first call is answered "
+                "(median of %d each):\n  fork_child %.3f ms, zygote %.3f ms; fork+exit of the "
+                "small process %.3f ms; %d failures\n",
+                parent_mib, children, cs.fork_child_ms, cs.zygote_ms, small_fork_exit_ms, cs.failures);
+    report.add("child_start_parent_MiB", static_cast<double>(parent_mib), "MiB");
+    report.add("child_start_fork_child_ms", cs.fork_child_ms, "ms", small_fork_exit_ms);
+    report.add("child_start_zygote_ms", cs.zygote_ms, "ms", small_fork_exit_ms);
+    report.add("child_start_failures", cs.failures, "children");
+  }
   write_svg(svg, rows);
   std::printf("scaling picture: %s\n", std::filesystem::absolute(svg).c_str());
   router.stop(SIGTERM);

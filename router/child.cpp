@@ -28,6 +28,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "router/child_internal.h"
 #include "router/log_forward.h"
 
 extern char** environ;
@@ -39,7 +40,10 @@ namespace {
   throw std::system_error(errno, std::generic_category(), what);
 }
 
-// Closes every fd >= 3 except `keep`.
+}  // namespace
+
+namespace detail {
+
 void close_other_fds(int keep) {
   int rc = 0;
   if (keep > 3) rc = ::close_range(3, static_cast<unsigned>(keep - 1), 0);
@@ -80,7 +84,6 @@ int run_child(int read_fd, int write_fd, RouterOptions opts, const ChildMain& ma
   return rc;
 }
 
-// Parent side: watch the pid, route the link, hand out a Context.
 Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
                     const std::string& name, pid_t pid) {
   // Via syscall(): Debian 12's <sys/pidfd.h> lacks C linkage for C++ callers.
@@ -115,6 +118,10 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
   routed.wait();
   return Context(parent, id, name, std::move(proc));
 }
+
+}  // namespace detail
+
+namespace {
 
 // fork() with the broker thread parked on a gate, so it holds no lock at the
 // moment of the fork: not malloc's, not a sanitizer allocator's (GCC 12's ASan
@@ -152,11 +159,10 @@ pid_t fork_quiesced(Broker& broker) {
   return pid;
 }
 
-// In the child, glibc hands a new thread the cached stack of a parent thread
-// that did not survive the fork, so its pthread_t equals that thread's. That
-// is harmless, except to ThreadSanitizer, whose copied registry still lists
-// the old thread and aborts ("dup thread with used id"). Under TSan only, the
-// child's threads ask for a stack size no cached stack satisfies.
+}  // namespace
+
+namespace detail {
+
 void avoid_inherited_thread_stacks() {
 #if defined(__SANITIZE_THREAD__)
   pthread_attr_t attr;
@@ -168,7 +174,12 @@ void avoid_inherited_thread_stacks() {
 #endif
 }
 
-}  // namespace
+}  // namespace detail
+
+using detail::adopt_child;
+using detail::avoid_inherited_thread_stacks;
+using detail::close_other_fds;
+using detail::run_child;
 
 Context ChildEnv::parent() {
   auto pid = router_.parent_id();
