@@ -55,7 +55,7 @@ int main() {
   spindle::Router router(broker, spindle::RouterOptions{.name = "parent"});
   std::vector<spindle::Context> workers;
   for (int i = 0; i < 4; ++i)
-    workers.push_back(zygote->fork_child(router, worker, fmt::format("s{}", i), {.name = fmt::format("worker-{}", i)}));
+    workers.push_back(zygote->fork_child(router, worker, fmt::format("s{}", i), {.name = fmt::format("worker-{}", i), .router = {}}));
 
   std::printf("parent pid %d, resident %ld KiB\n", ::getpid(), resident_kib());
   for (auto& w : workers) std::printf("%s: %s\n", w.name().c_str(), w.call(kReport, std::string_view{}).c_str());

@@ -139,6 +139,7 @@ struct StreamStats {
   std::uint64_t fds_in = 0, fds_out = 0;
   std::uint64_t read_pauses = 0;  // times reading stopped for the memory limit
   std::uint64_t read_waits = 0;   // times reading waited for readability (epoll)
+  std::uint64_t read_turns = 0;   // broker turns that read from the socket
 };
 
 class Stream : public std::enable_shared_from_this<Stream> {
@@ -223,7 +224,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void do_read();
   // One recvmsg (read on a pipe). Sets read_stopped_at_fds_.
   ssize_t read_once(std::span<std::uint8_t> target);
-  void on_read(std::size_t n, bool filled);
+  void commit_read(std::size_t n);  // n bytes arrived in the read target
+  void on_read(bool filled);        // after a turn's reads: parse, then read or wait
   void queue_input_turn();
   void input_turn();
   bool over_limit();
