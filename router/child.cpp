@@ -297,6 +297,11 @@ Context spawn_child(Router& parent, const std::string& program,
     env_strings.emplace_back("SPINDLE_FD=stdio");
   }
   env_strings.emplace_back("SPINDLE_CONTEXT_NAME=" + name);
+  // The program gets the link and stdio, nothing else of ours: an fd opened
+  // without O_CLOEXEC (ours or the application's) would otherwise stay open
+  // in it, holding a socket or a pipe end the parent means to close.
+  if (rc == 0)
+    rc = posix_spawn_file_actions_addclosefrom_np(&fa, opts.transport == ChildTransport::kSocketPair ? 4 : 3);
 
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(program.c_str()));

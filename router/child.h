@@ -12,7 +12,8 @@
 //
 // spawn_child(): for parents that have threads and want a clean exec, the
 // program is started with posix_spawn and handed its end of the link, either
-// a socket on fd 3 or its stdin/stdout (a pipe pair). The program calls
+// a socket on fd 3 or its stdin/stdout (a pipe pair). It holds no other fd of
+// the parent's but stdin, stdout and stderr (closefrom in the spawn). The program calls
 // run_spawned_child() from main().
 //
 // In both cases the parent holds a Context; the child's pid is watched with a

@@ -45,6 +45,7 @@ constexpr std::uint32_t kThrow = 3001;
 constexpr std::uint32_t kNeverReply = 3002;
 constexpr std::uint32_t kHangAndNotify = 3003;
 constexpr std::uint32_t kParentArrived = 4000;
+constexpr std::uint32_t kSpawnedOpenFiles = 3005;  // tests/helpers/spawned_echo.cpp
 
 // Deterministic bytes that differ per size and seed.
 std::string pattern(std::size_t n, std::uint32_t seed) {
@@ -430,6 +431,27 @@ TEST_P(RpcSpawn, EchoesLargePayloadAndExitsCleanly) {
   EXPECT_EQ(c.call(kEcho, std::string_view{}, 10s), "");
   c.shutdown();
   expect_exit_code(c, 0);
+}
+
+// A spawned program holds the link and its stdio, nothing else of the
+// parent's: not even an fd the parent opened without O_CLOEXEC.
+TEST_P(RpcSpawn, ProgramInheritsNoOtherFdOfTheParent) {
+  int leaky[2];
+  ASSERT_EQ(::pipe(leaky), 0);  // no O_CLOEXEC: what a careless caller has open
+  struct stat st;
+  ASSERT_EQ(::fstat(leaky[0], &st), 0);
+  const std::string pipe_file = fmt::format("{}:{}", st.st_dev, st.st_ino);
+  Broker broker;
+  Router router(broker, root_opts());
+  ChildOptions o;
+  o.transport = GetParam();
+  Context c = spawn_child(router, SPINDLE_HELPER_DIR "/spawned_echo", {}, o);
+  const std::string files = c.call(kSpawnedOpenFiles, std::string_view{}, 30s);
+  EXPECT_FALSE(contains(files, pipe_file)) << "the spawned program holds the parent's pipe: " << files;
+  c.shutdown();
+  expect_exit_code(c, 0);
+  ::close(leaky[0]);
+  ::close(leaky[1]);
 }
 
 INSTANTIATE_TEST_SUITE_P(RpcSpawnTransports, RpcSpawn,
