@@ -42,6 +42,7 @@
 #include <fmt/format.h>
 
 #include "broker/errors.h"
+#include "stream/fd_control.h"
 #include "stream/fd_frame.h"
 #include "stream/fds.h"
 #include "tests/raw_peer.h"
@@ -235,17 +236,11 @@ class Swarm {
       if (off == 0) {
         int fd = body.get();
         iovec iov{const_cast<std::uint8_t*>(bytes.data()), bytes.size()};
-        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
         msghdr mh{};
         mh.msg_iov = &iov;
         mh.msg_iovlen = 1;
-        mh.msg_control = control;
-        mh.msg_controllen = sizeof control;
-        cmsghdr* cm = CMSG_FIRSTHDR(&mh);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int));
-        std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+        FdControl control;
+        control.attach(mh, std::span<const int>(&fd, 1));
         n = ::sendmsg(src.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
       } else {
         n = ::send(src.fd, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);

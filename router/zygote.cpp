@@ -41,6 +41,7 @@
 #include "broker/errors.h"
 #include "broker/log.h"
 #include "router/child_internal.h"
+#include "stream/fd_control.h"
 
 namespace spindle {
 namespace {
@@ -183,29 +184,22 @@ void serve_request(int sock, int* tid_address, const char* data, std::size_t siz
   std::vector<char> buf(sizeof(Request) + kMaxName + Zygote::kMaxArg + 1);
   for (;;) {
     iovec iov{buf.data(), buf.size()};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    FdControl control;
     msghdr mh{};
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof control;
+    control.receive_into(mh);
     ssize_t n = ::recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) ::_exit(0);  // the parent closed its end, or is gone
     // Exactly one fd is expected; any other is closed, and then refused.
     int link = -1, fds = 0;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (std::size_t i = 0; i < count; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-        if (fds++ == 0)
-          link = fd;
-        else
-          ::close(fd);
-      }
-    }
+    FdControl::for_each_received(mh, [&](int fd) {
+      if (fds++ == 0)
+        link = fd;
+      else
+        ::close(fd);
+    });
     if (fds != 1 || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) {
       if (link >= 0) ::close(link);
       send_reply(sock, {0, 0, Refusal::kBadRequest});
@@ -296,17 +290,11 @@ Context Zygote::fork_child(Router& parent, ZygoteMain main, std::string_view arg
   iovec iov[3] = {{&req, sizeof req},
                   {const_cast<char*>(name.data()), name.size()},
                   {const_cast<char*>(arg.data()), arg.size()}};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msghdr mh{};
   mh.msg_iov = iov;
   mh.msg_iovlen = 3;
-  mh.msg_control = control;
-  mh.msg_controllen = sizeof control;
-  cmsghdr* c = CMSG_FIRSTHDR(&mh);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &sv[1], sizeof(int));
+  FdControl control;
+  control.attach(mh, std::span<const int>(&sv[1], 1));
 
   Reply reply;
   std::string why;

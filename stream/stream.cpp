@@ -39,6 +39,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "stream/fd_control.h"
 
 namespace spindle {
 namespace {
@@ -624,17 +625,9 @@ void Stream::flush() {
       msghdr mh{};
       mh.msg_iov = iov;
       mh.msg_iovlen = static_cast<std::size_t>(g.iovcnt);
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
-      if (g.with_fds) {
-        const std::size_t bytes = sizeof(int) * g.with_fds->wire_fds.size();
-        mh.msg_control = control;
-        mh.msg_controllen = CMSG_SPACE(bytes);
-        cmsghdr* c = CMSG_FIRSTHDR(&mh);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(bytes);
-        std::memcpy(CMSG_DATA(c), g.with_fds->wire_fds.data(), bytes);
-      }
+      FdControl control;
+      if (g.with_fds)
+        control.attach(mh, std::span<const int>(g.with_fds->wire_fds.data(), g.with_fds->wire_fds.size()));
       n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     } else {
       n = ::writev(fd, iov, g.iovcnt);

@@ -15,6 +15,7 @@
 #include "broker/errors.h"
 #include "broker/log.h"
 #include "stream/memfd.h"
+#include "stream/fd_control.h"
 #include "stream/fd_frame.h"
 #include "stream/stream.h"
 
@@ -23,27 +24,17 @@ namespace spindle {
 ssize_t Stream::read_once(std::span<std::uint8_t> target) {
   const int fd = rd_.native_handle();
   if (!is_socket_) return ::read(fd, target.data(), target.size());
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+  FdControl control;
   iovec iov{target.data(), target.size()};
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  mh.msg_control = control;
-  mh.msg_controllen = sizeof control;
+  control.receive_into(mh);
   read_stopped_at_fds_ = false;
   ssize_t n = ::recvmsg(fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
   if (n < 0) return n;
   FdBatch batch;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    const unsigned char* p = CMSG_DATA(c);
-    for (std::size_t i = 0; i < count; ++i) {
-      int fd_in;
-      std::memcpy(&fd_in, p + i * sizeof(int), sizeof(int));
-      batch.fds.emplace_back(fd_in);
-    }
-  }
+  FdControl::for_each_received(mh, [&](int fd_in) { batch.fds.emplace_back(fd_in); });
   // MSG_CTRUNC: the kernel dropped fds (this process is at RLIMIT_NOFILE, or
   // more arrived than fit). Never ignored: the frame they belong to fails.
   batch.truncated = (mh.msg_flags & MSG_CTRUNC) != 0;

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "stream/fd_control.h"
 #include "stream/fd_frame.h"
 #include "stream/fds.h"
 #include "router/child.h"
@@ -66,16 +67,8 @@ inline bool send_with_fds(int sock, std::span<const std::uint8_t> bytes, std::sp
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
-  if (!fds.empty()) {
-    mh.msg_control = control.data();
-    mh.msg_controllen = control.size();
-    cmsghdr* c = CMSG_FIRSTHDR(&mh);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-  }
+  FdControl control;
+  control.attach(mh, fds);
   return ::sendmsg(sock, &mh, MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
 }
 

@@ -86,10 +86,15 @@ int aborting_child(ChildEnv&, std::string_view) { std::abort(); }
 
 int exit_with_arg(ChildEnv&, std::string_view arg) { return std::atoi(std::string(arg).c_str()); }
 
-TEST(Zygote, ChildIsThisProcesssChildAndAnswersCalls) {
-  auto zygote = Zygote::start();
+// The zygote first, while this process has no broker thread yet.
+class ZygoteTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Zygote> zygote = Zygote::start();
   Broker broker;
-  Router router(broker, root_opts());
+  Router router{broker, root_opts()};
+};
+
+TEST_F(ZygoteTest, ChildIsThisProcesssChildAndAnswersCalls) {
   Context c = zygote->fork_child(router, answering_child, "shard-3", named("zchild"));
   std::string who = c.call(kWhoAreYou, std::string_view(""), 30s);
   EXPECT_EQ(who, fmt::format("{} tid-ok shard-3", ::getpid())) << "the zygote's pid is " << zygote->pid();
@@ -97,19 +102,13 @@ TEST(Zygote, ChildIsThisProcesssChildAndAnswersCalls) {
   expect_exit_code(c, 0);
 }
 
-TEST(Zygote, ChildsExitCodeReachesThisProcess) {
-  auto zygote = Zygote::start();
-  Broker broker;
-  Router router(broker, root_opts());
+TEST_F(ZygoteTest, ChildsExitCodeReachesThisProcess) {
   Context c = zygote->fork_child(router, exit_with_arg, "7");
   expect_exit_code(c, 7);
 }
 
 // A child that aborts is reported as killed by SIGABRT, like any child.
-TEST(Zygote, AbortInTheChildEndsItWithSigabrt) {
-  auto zygote = Zygote::start();
-  Broker broker;
-  Router router(broker, root_opts());
+TEST_F(ZygoteTest, AbortInTheChildEndsItWithSigabrt) {
   Context c = zygote->fork_child(router, aborting_child);
   auto st = c.wait_exit(30s);
   ASSERT_TRUE(st.has_value()) << "the child did not end";
@@ -119,10 +118,7 @@ TEST(Zygote, AbortInTheChildEndsItWithSigabrt) {
 
 // The parent grows after the zygote started; a zygote child does not map
 // that memory, a fork_child() child does.
-TEST(Zygote, ChildDoesNotHoldWhatTheParentAllocatedLater) {
-  auto zygote = Zygote::start();
-  Broker broker;
-  Router router(broker, root_opts());
+TEST_F(ZygoteTest, ChildDoesNotHoldWhatTheParentAllocatedLater) {
   constexpr std::size_t kBig = 256u << 20;
   std::vector<char> big(kBig);
   std::memset(big.data(), 1, big.size());  // resident in the parent
@@ -158,10 +154,7 @@ TEST(Zygote, ChildHoldsNoFdOfTheParent) {
   for (int fd : {before[0], before[1], after[0], after[1]}) ::close(fd);
 }
 
-TEST(Zygote, BadRequestsAreClearErrors) {
-  auto zygote = Zygote::start();
-  Broker broker;
-  Router router(broker, root_opts());
+TEST_F(ZygoteTest, BadRequestsAreClearErrors) {
   try {
     zygote->fork_child(router, answering_child, std::string(Zygote::kMaxArg + 1, 'x'));
     ADD_FAILURE() << "an argument over the limit was accepted";
@@ -182,10 +175,7 @@ TEST(Zygote, BadRequestsAreClearErrors) {
   expect_exit_code(c, 0);
 }
 
-TEST(Zygote, AZygoteThatDiedIsAClearError) {
-  auto zygote = Zygote::start();
-  Broker broker;
-  Router router(broker, root_opts());
+TEST_F(ZygoteTest, AZygoteThatDiedIsAClearError) {
   ASSERT_EQ(::kill(zygote->pid(), SIGKILL), 0);
   try {
     zygote->fork_child(router, exit_with_arg, "0");
@@ -222,10 +212,7 @@ TEST(Zygote, ChildrenOutliveTheZygoteAndForksFromManyThreadsAllAnswer) {
   for (Context& c : children) expect_exit_code(c, 0);
 }
 
-TEST(Zygote, RouterOptionsReachTheChild) {
-  auto zygote = Zygote::start();
-  Broker broker;
-  Router router(broker, root_opts());
+TEST_F(ZygoteTest, RouterOptionsReachTheChild) {
   ChildOptions opts = named("opts");
   opts.router.max_message_size = 123456;
   opts.router.fd_quota = 77;
