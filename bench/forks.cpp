@@ -169,12 +169,16 @@ int main(int argc, char** argv) {
       report.add(name + "_failures", r.failures, "workers");
     }
   }
+  // Issue 12's target: at most 1.5x the fork+exit floor of the same run, no
+  // failures (issue 3's absolute 0.3 ms is printed too).
   for (auto& row : rows)
-    if (row.burst && row.n == max_n)
-      std::printf("\ntarget: <= 0.3 ms per worker at N = %d in burst mode, 0 failures: %.3f ms, %d "
-                  "failures -> %s\n",
-                  max_n, row.r.wall_ms / max_n, row.r.failures,
-                  row.r.wall_ms / max_n <= 0.3 && row.r.failures == 0 ? "MET" : "MISSED");
+    if (row.burst && row.n == max_n) {
+      const double per = row.r.wall_ms / max_n, ratio = row.r.wall_ms / row.r.raw_fork_exit_ms;
+      std::printf("\ntarget at N = %d in burst mode, 0 failures: <= 1.5x fork+exit (%.2fx) -> %s; "
+                  "<= 0.3 ms per worker (%.3f ms) -> %s; %d failures\n",
+                  max_n, ratio, ratio <= 1.5 && row.r.failures == 0 ? "MET" : "MISSED", per,
+                  per <= 0.3 && row.r.failures == 0 ? "MET" : "MISSED", row.r.failures);
+    }
   {
     const int children = quick ? 4 : 16;
     bench::ChildStartResult cs = bench::measure_child_start(*zygote, parent_mib, children);
