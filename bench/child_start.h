@@ -13,12 +13,12 @@
 
 #include <sys/wait.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <string_view>
 #include <vector>
 
+#include "bench/report.h"
 #include "broker/broker.h"
 #include "router/child.h"
 #include "router/router.h"
@@ -75,13 +75,8 @@ inline ChildStartResult measure_child_start(Zygote& zygote, std::size_t parent_m
     auto st = c.wait_exit(std::chrono::seconds(30));
     if (!st || !WIFEXITED(*st) || WEXITSTATUS(*st) != 0) ++res.failures;
   }
-  auto median = [](std::vector<double>& v) {
-    if (v.empty()) return 0.0;
-    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-    return v[v.size() / 2];
-  };
-  res.fork_child_ms = median(forked);
-  res.zygote_ms = median(zygoted);
+  res.fork_child_ms = percentiles(forked).median;
+  res.zygote_ms = percentiles(zygoted).median;
   return res;
 }
 

@@ -119,10 +119,9 @@ const std::vector<std::string> kHostileRouterArgs = {
 // the isolated probe.
 void print_rtt(const char* label, const bench::RttSummary& s) {
   const bench::Percentiles p = bench::percentiles(s.ms);
-  const double max_ms = s.ms.empty() ? 0 : *std::max_element(s.ms.begin(), s.ms.end());
   std::printf("  %s p50 %.3f ms, p99 %.3f ms, max %.3f ms (sent at %s UTC) over %zu round trips, "
               "%llu failed\n",
-              label, p.median, p.p99, max_ms, s.worst_at.c_str(), s.ms.size(),
+              label, p.median, p.p99, s.max_ms(), s.worst_at.c_str(), s.ms.size(),
               static_cast<unsigned long long>(s.failures));
 }
 
@@ -167,7 +166,7 @@ bool report_hostile(bench::Report& report, int k, const bench::hostile::Swarm& s
   report.add("load_hostile_router_memory_peak_MiB", peak_mib, "MiB", static_cast<double>(kGlobalLimitMiB));
   report.add("load_hostile_honest_rtt_p50_ms", p.median, "ms");
   report.add("load_hostile_honest_rtt_p99_ms", p.p99, "ms", kRttTargetMs);
-  report.add("load_hostile_honest_rtt_max_ms", own.ms.empty() ? 0 : *std::max_element(own.ms.begin(), own.ms.end()), "ms");
+  report.add("load_hostile_honest_rtt_max_ms", own.max_ms(), "ms");
   report.add("load_hostile_honest_rtt_samples", static_cast<double>(own.ms.size()), "");
   report.add("load_hostile_honest_rtt_failures", static_cast<double>(own.failures + shared.failures), "");
   report.add("load_hostile_in_load_process_rtt_p50_ms", ps.median, "ms");

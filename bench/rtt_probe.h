@@ -18,6 +18,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -54,6 +55,8 @@ struct RttSummary {
   std::uint64_t failures = 0;  // errors, timeouts, wrong bytes
   std::string first_error;
   std::string worst_at;        // when the slowest was sent, to find it in the router's log
+
+  double max_ms() const { return ms.empty() ? 0 : *std::max_element(ms.begin(), ms.end()); }
 };
 
 // Two extra honest clients: A calls B's echo handler back to back, from its

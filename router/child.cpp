@@ -40,22 +40,9 @@ namespace {
   throw std::system_error(errno, std::generic_category(), what);
 }
 
-}  // namespace
-
-namespace detail {
-
-void close_other_fds(int keep) {
-  int rc = 0;
-  if (keep > 3) rc = ::close_range(3, static_cast<unsigned>(keep - 1), 0);
-  if (rc == 0) rc = ::close_range(static_cast<unsigned>(keep + 1), ~0u, 0);
-  if (rc != 0) {
-    // Kernels before 5.9: close one by one.
-    long max = ::sysconf(_SC_OPEN_MAX);
-    for (long fd = 3; fd < (max > 0 ? max : 65536); ++fd)
-      if (fd != keep) ::close(static_cast<int>(fd));
-  }
-}
-
+// The child's life once its process exists: builds its Broker and Router,
+// completes the handshake with the parent over the link, runs `main`, shuts
+// down gracefully. Returns the process's exit code.
 int run_child(int read_fd, int write_fd, RouterOptions opts, const ChildMain& main) {
   int rc = 1;
   {
@@ -83,45 +70,6 @@ int run_child(int read_fd, int write_fd, RouterOptions opts, const ChildMain& ma
   }
   return rc;
 }
-
-Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
-                    const std::string& name, pid_t pid) {
-  // Via syscall(): Debian 12's <sys/pidfd.h> lacks C linkage for C++ callers.
-  int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-  if (pidfd < 0) {
-    int err = errno;
-    ::close(read_fd);
-    if (write_fd != read_fd) ::close(write_fd);
-    errno = err;
-    throw_errno("pidfd_open");
-  }
-  auto proc = std::make_shared<ChildProcess>(pid, pidfd);
-  // Wait until the child is routed: a message sent right after we return
-  // could otherwise be routed by an outbox drain queued earlier, before the
-  // stream exists, and get "no route".
-  auto adopted = std::make_shared<std::promise<void>>();
-  auto routed = adopted->get_future();
-  parent.broker().defer([&parent, read_fd, write_fd, id, name, pid, adopted] {
-    try {
-      parent.add_child_stream(read_fd, write_fd, id, name);
-    } catch (const std::exception& e) {
-      // The child sees its link close (or its handshake time out) and exits;
-      // it is still reaped (below, or by the broker's end).
-      log().error("cannot adopt child ctx={} ({}) pid={}: {}", id, name, pid, e.what());
-    }
-    adopted->set_value();
-  });
-  // The broker reaps it when it exits, or at its own end: no zombies.
-  parent.broker().watch_child(proc, [id, name, pid](int status) {
-    log().info("child ctx={} ({}) pid={} {}", id, name, pid, describe_wait_status(status));
-  });
-  routed.wait();
-  return Context(parent, id, name, std::move(proc));
-}
-
-}  // namespace detail
-
-namespace {
 
 // fork() with the broker thread parked on a gate, so it holds no lock at the
 // moment of the fork: not malloc's, not a sanitizer allocator's (GCC 12's ASan
@@ -159,10 +107,11 @@ pid_t fork_quiesced(Broker& broker) {
   return pid;
 }
 
-}  // namespace
-
-namespace detail {
-
+// In the child, glibc hands a new thread the cached stack of a parent thread
+// that did not survive the fork, so its pthread_t equals that thread's. That
+// is harmless, except to ThreadSanitizer, whose copied registry still lists
+// the old thread and aborts ("dup thread with used id"). Under TSan only, the
+// child's threads ask for a stack size no cached stack satisfies.
 void avoid_inherited_thread_stacks() {
 #if defined(__SANITIZE_THREAD__)
   pthread_attr_t attr;
@@ -174,12 +123,79 @@ void avoid_inherited_thread_stacks() {
 #endif
 }
 
+}  // namespace
+
+namespace detail {
+
+void close_other_fds(int keep) {
+  int rc = 0;
+  if (keep > 3) rc = ::close_range(3, static_cast<unsigned>(keep - 1), 0);
+  if (rc == 0) rc = ::close_range(static_cast<unsigned>(keep + 1), ~0u, 0);
+  if (rc != 0) {
+    // Kernels before 5.9: close one by one.
+    long max = ::sysconf(_SC_OPEN_MAX);
+    for (long fd = 3; fd < (max > 0 ? max : 65536); ++fd)
+      if (fd != keep) ::close(static_cast<int>(fd));
+  }
+}
+
+Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
+                    const std::string& name, pid_t pid) {
+  // Via syscall(): Debian 12's <sys/pidfd.h> lacks C linkage for C++ callers.
+  int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) {
+    int err = errno;
+    ::close(read_fd);
+    if (write_fd != read_fd) ::close(write_fd);
+    errno = err;
+    throw_errno("pidfd_open");
+  }
+  auto proc = std::make_shared<ChildProcess>(pid, pidfd);
+  // Wait until the child is routed: a message sent right after we return
+  // could otherwise be routed by an outbox drain queued earlier, before the
+  // stream exists, and get "no route".
+  auto adopted = std::make_shared<std::promise<void>>();
+  auto routed = adopted->get_future();
+  parent.broker().defer([&parent, read_fd, write_fd, id, name, pid, adopted] {
+    try {
+      parent.add_child_stream(read_fd, write_fd, id, name);
+    } catch (const std::exception& e) {
+      // The child sees its link close (or its handshake time out) and exits;
+      // it is still reaped (below, or by the broker's end).
+      log().error("cannot adopt child ctx={} ({}) pid={}: {}", id, name, pid, e.what());
+    }
+    adopted->set_value();
+  });
+  // The broker reaps it when it exits, or at its own end: no zombies.
+  parent.broker().watch_child(proc, [id, name, pid](int status) {
+    log().info("child ctx={} ({}) pid={} {}", id, name, pid, describe_wait_status(status));
+  });
+  routed.wait();
+  return Context(parent, id, name, std::move(proc));
+}
+
+void run_forked_child(int link, std::uint32_t id, RouterOptions opts, const ChildMain& main) {
+  avoid_inherited_thread_stacks();
+  close_other_fds(link);
+  reset_logging_after_fork(id, opts.name);
+  int rc = 1;
+  try {
+    rc = run_child(link, link, std::move(opts), main);
+  } catch (const std::exception& e) {
+    log().error("child failed: {}", e.what());
+  }
+  std::fflush(nullptr);
+  ::_exit(rc);
+}
+
+std::string child_name(std::uint32_t id, const ChildOptions& opts) {
+  return opts.name.empty() ? fmt::format("child-{}", id) : opts.name;
+}
+
 }  // namespace detail
 
 using detail::adopt_child;
-using detail::avoid_inherited_thread_stacks;
-using detail::close_other_fds;
-using detail::run_child;
+using detail::child_name;
 
 Context ChildEnv::parent() {
   auto pid = router_.parent_id();
@@ -189,7 +205,7 @@ Context ChildEnv::parent() {
 
 Context fork_child(Router& parent, ChildMain main, ChildOptions opts) {
   std::uint32_t id = parent.allocate_id();
-  std::string name = opts.name.empty() ? fmt::format("child-{}", id) : opts.name;
+  std::string name = child_name(id, opts);
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) throw_errno("socketpair");
   std::fflush(nullptr);  // don't let the child flush the parent's buffered stdio twice
@@ -209,19 +225,9 @@ Context fork_child(Router& parent, ChildMain main, ChildOptions opts) {
     throw_errno("fork");
   }
   if (pid == 0) {
-    avoid_inherited_thread_stacks();
-    close_other_fds(sv[1]);
-    reset_logging_after_fork(id, name);
     RouterOptions ro = opts.router;
     ro.name = name;
-    int rc = 1;
-    try {
-      rc = run_child(sv[1], sv[1], ro, main);
-    } catch (const std::exception& e) {
-      log().error("child failed: {}", e.what());
-    }
-    std::fflush(nullptr);
-    ::_exit(rc);
+    detail::run_forked_child(sv[1], id, std::move(ro), main);
   }
   ::close(sv[1]);
   return adopt_child(parent, sv[0], sv[0], id, name, pid);
@@ -230,7 +236,7 @@ Context fork_child(Router& parent, ChildMain main, ChildOptions opts) {
 Context spawn_child(Router& parent, const std::string& program,
                     const std::vector<std::string>& args, ChildOptions opts) {
   std::uint32_t id = parent.allocate_id();
-  std::string name = opts.name.empty() ? fmt::format("child-{}", id) : opts.name;
+  std::string name = child_name(id, opts);
 
   int parent_read = -1, parent_write = -1, child_read = -1, child_write = -1;
   if (opts.transport == ChildTransport::kSocketPair) {

@@ -39,7 +39,6 @@
 #include <fmt/format.h>
 
 #include "broker/errors.h"
-#include "broker/log.h"
 #include "router/child_internal.h"
 #include "stream/fd_control.h"
 
@@ -132,42 +131,34 @@ pid_t clone_as_sibling(int* tid_address) {
   return static_cast<pid_t>(::syscall(SYS_clone3, &args, sizeof args));
 }
 
-// The child's life, in the process clone_as_sibling() made.
-[[noreturn]] void run_zygote_child(int link, const Request& req, std::string name, std::string_view arg) {
-  detail::avoid_inherited_thread_stacks();
-  detail::close_other_fds(link);  // the zygote's socket among them
-  reset_logging_after_fork(req.id, name);
-  const auto main = reinterpret_cast<ZygoteMain>(static_cast<std::uintptr_t>(req.main));
-  RouterOptions ro = from_wire(req.options, std::move(name));
-  int rc = 1;
-  try {
-    rc = detail::run_child(link, link, std::move(ro), [main, arg](ChildEnv& env) { return main(env, arg); });
-  } catch (const std::exception& e) {
-    log().error("child failed: {}", e.what());
-  }
-  std::fflush(nullptr);
-  ::_exit(rc);
+// Checks one request; kNone if the child may be forked.
+Refusal check_request(const char* data, std::size_t size, Request& req) {
+  if (size < sizeof req) return Refusal::kBadRequest;
+  std::memcpy(&req, data, sizeof req);
+  if (req.name_size > kMaxName || req.arg_size > Zygote::kMaxArg ||
+      size != sizeof req + req.name_size + req.arg_size)
+    return Refusal::kBadRequest;
+  Dl_info info;
+  if (req.main == 0 || ::dladdr(reinterpret_cast<void*>(static_cast<std::uintptr_t>(req.main)), &info) == 0)
+    return Refusal::kNotCode;
+  return Refusal::kNone;
 }
 
-// One request: validates it, forks the child, answers. Takes `link`.
+// One request: checks it, forks the child (which runs it over `link`),
+// answers. Takes `link`.
 void serve_request(int sock, int* tid_address, const char* data, std::size_t size, int link) {
   Request req;
-  if (size < sizeof req) return ::close(link), send_reply(sock, {0, 0, Refusal::kBadRequest});
-  std::memcpy(&req, data, sizeof req);
-  if (link < 0 || req.name_size > kMaxName || req.arg_size > Zygote::kMaxArg ||
-      size != sizeof req + req.name_size + req.arg_size) {
-    if (link >= 0) ::close(link);
-    return send_reply(sock, {0, 0, Refusal::kBadRequest});
-  }
-  Dl_info info;
-  if (req.main == 0 || ::dladdr(reinterpret_cast<void*>(static_cast<std::uintptr_t>(req.main)), &info) == 0) {
+  if (const Refusal r = check_request(data, size, req); r != Refusal::kNone) {
     ::close(link);
-    return send_reply(sock, {0, 0, Refusal::kNotCode});
+    return send_reply(sock, {0, 0, r});
   }
-  std::string name(data + sizeof req, req.name_size);
-  std::string_view arg(data + sizeof req + req.name_size, req.arg_size);
-  pid_t pid = clone_as_sibling(tid_address);
-  if (pid == 0) run_zygote_child(link, req, std::move(name), arg);
+  const pid_t pid = clone_as_sibling(tid_address);
+  if (pid == 0) {
+    const auto main = reinterpret_cast<ZygoteMain>(static_cast<std::uintptr_t>(req.main));
+    const std::string_view arg(data + sizeof req + req.name_size, req.arg_size);
+    detail::run_forked_child(link, req.id, from_wire(req.options, std::string(data + sizeof req, req.name_size)),
+                             [main, arg](ChildEnv& env) { return main(env, arg); });
+  }
   const int err = pid < 0 ? errno : 0;
   ::close(link);
   send_reply(sock, {pid > 0 ? pid : 0, err, Refusal::kNone});
@@ -276,7 +267,7 @@ Context Zygote::fork_child(Router& parent, ZygoteMain main, std::string_view arg
     throw Error(fmt::format("Zygote::fork_child: a name of {} bytes is over the limit of {}",
                             opts.name.size(), kMaxName));
   const std::uint32_t id = parent.allocate_id();
-  const std::string name = opts.name.empty() ? fmt::format("child-{}", id) : opts.name;
+  const std::string name = detail::child_name(id, opts);
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
     throw std::system_error(errno, std::generic_category(), "socketpair");

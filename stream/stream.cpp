@@ -377,8 +377,9 @@ void Stream::do_read() {
   for (std::size_t reads = 0;; ++reads) {
     std::span<std::uint8_t> target = parser_ ? parser_->read_target() : rx_.write_space();
     ssize_t n;
+    bool at_fds;
     do {
-      n = read_once(target);
+      n = read_once(target, at_fds);
     } while (n < 0 && errno == EINTR);
     if (n < 0) {
       int err = errno;
@@ -399,9 +400,10 @@ void Stream::do_read() {
     // A read that filled its target, or ended at a message with fds, is
     // followed by another read rather than a wait for readability
     // (async_wait costs an epoll_ctl, and the wait an epoll_wait).
-    more = static_cast<std::size_t>(n) == target.size() || read_stopped_at_fds_;
-    if (!read_stopped_at_fds_ || !parser_ || reads + 1 >= kReadsAfterFds ||
-        stats_.fds_in - fds_before >= kFdsPerTurn || static_cast<std::size_t>(n) == target.size())
+    const bool filled = static_cast<std::size_t>(n) == target.size();
+    more = filled || at_fds;
+    if (filled || !at_fds || !parser_ || reads + 1 >= kReadsAfterFds ||
+        stats_.fds_in - fds_before >= kFdsPerTurn)
       break;
   }
   on_read(more);

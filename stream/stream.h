@@ -222,8 +222,10 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool stalled() const;  // paused over the limit, or (untrusted) output over the mark
   void note_queued();
   void do_read();
-  // One recvmsg (read on a pipe). Sets read_stopped_at_fds_.
-  ssize_t read_once(std::span<std::uint8_t> target);
+  // One recvmsg (read on a pipe). `at_fds`: the read brought fds, and so
+  // ended at the message that carried them (its shortness says nothing
+  // about what is left).
+  ssize_t read_once(std::span<std::uint8_t> target, bool& at_fds);
   void commit_read(std::size_t n);  // n bytes arrived in the read target
   void on_read(bool filled);        // after a turn's reads: parse, then read or wait
   void queue_input_turn();
@@ -277,9 +279,6 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool read_armed_ = false, write_armed_ = false;
   bool input_left_ = false;       // parsed frames remain for the next turn
   bool last_read_filled_ = false;  // more is likely waiting in the socket
-  // The last read brought fds. The kernel ends a read at the message that
-  // carries them, so a short read then says nothing about what is left.
-  bool read_stopped_at_fds_ = false;
   bool paused_ = false;           // reading stopped: the account is over its limit
   bool input_held_ = false;       // reading stopped by hold_input() until hold_timer_
   bool eof_seen_ = false, write_shut_ = false;

@@ -21,7 +21,8 @@
 
 namespace spindle {
 
-ssize_t Stream::read_once(std::span<std::uint8_t> target) {
+ssize_t Stream::read_once(std::span<std::uint8_t> target, bool& at_fds) {
+  at_fds = false;
   const int fd = rd_.native_handle();
   if (!is_socket_) return ::read(fd, target.data(), target.size());
   FdControl control;
@@ -30,7 +31,6 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target) {
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
   control.receive_into(mh);
-  read_stopped_at_fds_ = false;
   ssize_t n = ::recvmsg(fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
   if (n < 0) return n;
   FdBatch batch;
@@ -39,7 +39,7 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target) {
   // more arrived than fit). Never ignored: the frame they belong to fails.
   batch.truncated = (mh.msg_flags & MSG_CTRUNC) != 0;
   if (!batch.fds.empty() || batch.truncated) {
-    read_stopped_at_fds_ = true;
+    at_fds = true;
     stats_.fds_in += batch.fds.size();
     rx_fds_.push_back(std::move(batch));
   }
