@@ -44,7 +44,7 @@
 #include "broker/errors.h"
 #include "stream/fd_control.h"
 #include "stream/fd_frame.h"
-#include "stream/fds.h"
+#include "spindle/fds.h"
 #include "tests/raw_peer.h"
 
 namespace spindle::bench::hostile {

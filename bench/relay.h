@@ -36,7 +36,7 @@
 #include <utility>
 #include <vector>
 
-#include "stream/frame.h"
+#include "spindle/frame.h"
 
 namespace spindle::bench {
 

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "bench/relay.h"
-#include "stream/frame.h"
+#include "spindle/frame.h"
 
 namespace spindle::bench {
 

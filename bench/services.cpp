@@ -42,7 +42,8 @@
 
 #include "bench/report.h"
 #include "broker/log.h"
-#include "router/context.h"
+#include "router/router.h"
+#include "spindle/context.h"
 #include "services/client.h"
 #include "services/host.h"
 #include "services/lanes.h"

@@ -308,7 +308,24 @@ void Broker::shutdown(std::chrono::milliseconds grace) {
     return;
   }
   request_cv_.notify_all();
+  std::vector<std::function<void()>> fns;
+  {
+    std::lock_guard lk(request_mu_);
+    fns.swap(request_fns_);
+  }
+  for (auto& fn : fns) fn();
   try_post([this, grace] { begin_shutdown(grace); });
+}
+
+void Broker::on_shutdown_request(std::function<void()> fn) {
+  {
+    std::lock_guard lk(request_mu_);
+    if (!shutdown_requested_.load()) {
+      request_fns_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
 }
 
 void Broker::wait_for_shutdown_request() {
@@ -375,11 +392,18 @@ void Broker::tell_rest() {
     if (!first_.count(p) && participants_.count(p)) p->on_shutdown_begin();
 }
 
-void Broker::add_participant(ShutdownParticipant* p) { participants_.insert(p); }
+// A participant that joins while the broker drains is told at once: it
+// would otherwise never be told, never drain, and hold the shutdown until
+// the grace period ends (a pool a child's main made after SHUTDOWN came).
+void Broker::add_participant(ShutdownParticipant* p) {
+  participants_.insert(p);
+  if (state() == State::kDraining && rest_told_) p->on_shutdown_begin();
+}
 
 void Broker::add_first_participant(ShutdownParticipant* p) {
   participants_.insert(p);
   first_.insert(p);
+  if (state() == State::kDraining) p->on_shutdown_begin();
 }
 
 void Broker::remove_participant(ShutdownParticipant* p) {
@@ -428,7 +452,14 @@ void Broker::finish() {
   // The eventfd stays open until the destructor: a late wake() from another
   // thread must write to it, never to a number reused by something else.
   state_.store(State::kStopped, std::memory_order_release);
-  shutdown_requested_.store(true);
+  std::vector<std::function<void()>> fns;
+  {
+    std::lock_guard lk(request_mu_);
+    shutdown_requested_.store(true);
+    fns.swap(request_fns_);
+  }
+  request_cv_.notify_all();
+  for (auto& fn : fns) fn();
   log().debug("broker: stopped");
 }
 

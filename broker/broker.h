@@ -131,6 +131,10 @@ class Broker {
   void join();
   // Blocks until shutdown() has been called (by anyone, for any reason).
   void wait_for_shutdown_request();
+  // Runs fn once, on the thread that first calls shutdown() (the broker's
+  // for a SHUTDOWN message), or at once if that has happened. fn must not
+  // block.
+  void on_shutdown_request(std::function<void()> fn);
 
   State state() const { return state_.load(std::memory_order_acquire); }
   bool accepting() const { return state() == State::kRunning; }
@@ -196,6 +200,7 @@ class Broker {
   std::unordered_set<TimerId> unborn_timers_;    // guarded by timers_mu_
 
   std::atomic<bool> shutdown_requested_{false};
+  std::vector<std::function<void()>> request_fns_;  // guarded by request_mu_
   std::mutex request_mu_;
   std::condition_variable request_cv_;
   std::atomic<TimerId> next_timer_{1};

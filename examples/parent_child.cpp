@@ -1,9 +1,11 @@
 // parent_child: a parent forks 4 children, calls each, and prints the results.
 //
-// Each child serves two handlers: SQUARE squares a number, WHOAMI describes
-// the child. The parent calls both on every child concurrently, shows that a
-// remote exception arrives as CallError, asks the children to shut down, and
-// prints their exit statuses.
+// Each child exposes two typed functions: `square` and `whoami`. The parent
+// calls both on every child concurrently (futures), once more from a
+// coroutine on its own io_context, shows that a remote exception arrives as
+// CallError with the remote type, and ends the children: each Child sends
+// SHUTDOWN when it goes, waits for the exit and reaps it.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,73 +14,78 @@
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/io_context.hpp>
+#include <asio/use_awaitable.hpp>
 
-#include "broker/errors.h"
-#include "broker/log.h"
-#include "router/child.h"
+#include <spindle/asio.h>
+#include <spindle/spindle.h>
 
 namespace {
-constexpr std::uint32_t kSquare = 2000;
-constexpr std::uint32_t kWhoAmI = 2001;
+
+struct WhoAmI {
+  std::uint32_t context = 0;
+  int pid = 0;
+  std::uint32_t parent = 0;
+  MSGPACK_DEFINE_MAP(context, pid, parent)
+};
+
+inline constexpr spindle::method<long(long)> square{"square"};
+inline constexpr spindle::method<WhoAmI()> whoami{"whoami"};
+inline constexpr spindle::method<long(std::string)> parse{"parse"};
 
 int child_main(spindle::ChildEnv& env) {
-  auto& r = env.router();
-  r.add_handler(
-      [&r](spindle::Message&& m) {
-        long n = std::stol(m.text());  // throws std::invalid_argument on bad input
-        r.reply(m, spindle::Payload::copy_of(std::to_string(n * n)));
-      },
-      {}, kSquare);
-  r.add_handler(
-      [&r](spindle::Message&& m) {
-        r.reply(m, spindle::Payload::copy_of(
-                       fmt::format("context {} pid {} parent {}", r.id(), ::getpid(), *r.parent_id())));
-      },
-      {}, kWhoAmI);
-  spindle::log().info("ready to serve");
-  env.serve();
-  return 0;
+  env.expose(square, [](long n) { return n * n; });
+  env.expose(whoami, [&env] {
+    return WhoAmI{env.id(), static_cast<int>(::getpid()), env.parent().id()};
+  });
+  env.expose(parse, [](std::string s) { return std::stol(s); });  // throws on bad input
+  return env.serve();
 }
 
-// Forks the children, calls them, and stops them; 0 if all exited cleanly.
+asio::awaitable<void> sum_of_squares(std::vector<spindle::Child>& children) {
+  long sum = 0;
+  for (auto& c : children) sum += co_await c.async_call(square, static_cast<long>(c.id()), asio::use_awaitable);
+  std::printf("sum of the squares of the children's ids, from a coroutine: %ld\n", sum);
+}
+
 int run() {
-  spindle::Broker broker;
-  spindle::RouterOptions opts;
-  opts.name = "parent";
-  spindle::Router router(broker, opts);
+  spindle::Runtime rt({.name = "parent"});
+  std::vector<spindle::Child> children;
+  for (int i = 0; i < 4; ++i) children.push_back(rt.fork_child(child_main, {.name = "worker-" + std::to_string(i)}));
 
-  std::vector<spindle::Context> children;
-  for (int i = 0; i < 4; ++i)
-    children.push_back(spindle::fork_child(router, child_main, {.name = fmt::format("worker-{}", i), .router = {}}));
-
-  std::vector<std::future<spindle::Message>> squares;
-  for (std::size_t i = 0; i < children.size(); ++i)
-    squares.push_back(children[i].call_async(kSquare, spindle::Payload::copy_of(std::to_string(7 + i))));
+  std::vector<std::future<long>> squares;
+  for (std::size_t i = 0; i < children.size(); ++i) squares.push_back(children[i].call_async(square, 7 + i));
   for (std::size_t i = 0; i < children.size(); ++i) {
-    std::string who = children[i].call(kWhoAmI, std::string_view{});
-    std::printf("%-9s %-40s square(%zu) = %s\n", children[i].name().c_str(), who.c_str(), 7 + i,
-                squares[i].get().text().c_str());
+    WhoAmI w = children[i].call(whoami);
+    std::printf("%-9s context %u pid %d parent %u  square(%zu) = %ld\n", children[i].name().c_str(), w.context,
+                w.pid, w.parent, 7 + i, squares[i].get());
   }
+
+  asio::io_context ioc{1};
+  asio::co_spawn(ioc, sum_of_squares(children), asio::detached);
+  ioc.run();
+
   try {
-    children[0].call(kSquare, std::string_view("not a number"));
+    children[0].call(parse, "not a number");
   } catch (const spindle::CallError& e) {
-    std::printf("remote exception arrived as CallError: %s\n", e.what());
+    std::printf("remote exception arrived as CallError: type %s, message %s\n", e.type().c_str(),
+                e.message().c_str());
   }
-  for (auto& c : children) c.shutdown();
   int failures = 0;
   for (auto& c : children) {
-    auto st = c.wait_exit(std::chrono::seconds(10));
-    std::printf("%s (pid %d): %s\n", c.name().c_str(), c.pid(),
-                st ? spindle::describe_wait_status(*st).c_str() : "did not exit in time");
-    if (!st || *st != 0) ++failures;
+    int st = c.stop();  // SHUTDOWN, wait, reap (as ~Child would)
+    bool clean = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+    std::printf("%s (pid %d): %s\n", c.name().c_str(), c.pid(), clean ? "exited cleanly" : "did not exit cleanly");
+    if (!clean) ++failures;
   }
   return failures == 0 ? 0 : 1;
 }
+
 }  // namespace
 
 int main() {
-  spindle::set_log_level_from_env();
   try {
     return run();
   } catch (const std::exception& e) {  // a child that died or never came up

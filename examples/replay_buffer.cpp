@@ -31,7 +31,7 @@
 #include "broker/errors.h"
 #include "broker/log.h"
 #include "router/child.h"
-#include "stream/fds.h"
+#include "spindle/fds.h"
 #include "shm/records.h"
 
 namespace {

@@ -47,8 +47,8 @@
 
 #include <boost/lockfree/stack.hpp>
 
-#include "broker/unique_function.h"
-#include "stream/message.h"
+#include "spindle/function.h"
+#include "spindle/message.h"
 
 namespace spindle {
 

@@ -197,12 +197,6 @@ std::string child_name(std::uint32_t id, const ChildOptions& opts) {
 using detail::adopt_child;
 using detail::child_name;
 
-Context ChildEnv::parent() {
-  auto pid = router_.parent_id();
-  if (!pid) throw Error("this context has no parent");
-  return Context(router_, *pid, "parent");
-}
-
 Context fork_child(Router& parent, ChildMain main, ChildOptions opts) {
   std::uint32_t id = parent.allocate_id();
   std::string name = child_name(id, opts);

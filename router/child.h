@@ -24,52 +24,17 @@
 // except the broker's (they allocate an id, which may ask the root).
 #pragma once
 
-#include <functional>
 #include <string>
 #include <vector>
 
-#include "router/context.h"
+#include "router/router.h"
+#include "spindle/child.h"
+#include "spindle/runtime.h"
 
 namespace spindle {
-
-// What a child's main gets.
-class ChildEnv {
- public:
-  ChildEnv(Router& router, Broker& broker) : router_(router), broker_(broker) {}
-  Router& router() { return router_; }
-  Broker& broker() { return broker_; }
-  std::uint32_t id() const { return router_.id(); }
-  Context parent();
-  // Declares the handlers registered: messages for handles that were unknown
-  // until now are dispatched (or answered "invalid handle"). Idempotent.
-  void ready() { router_.hold_unknown_handles(false); }
-  // ready(), then serves handlers until the parent asks this context to shut
-  // down, or the parent link is lost.
-  void serve() {
-    ready();
-    broker_.wait_for_shutdown_request();
-  }
-
- private:
-  Router& router_;
-  Broker& broker_;
-};
-
-using ChildMain = std::function<int(ChildEnv&)>;
-
-enum class ChildTransport { kSocketPair, kStdio };
-
-struct ChildOptions {
-  std::string name;                                   // default "child-<id>"
-  ChildTransport transport = ChildTransport::kSocketPair;  // spawn_child only
-  RouterOptions router;                               // the child's router settings
-};
 
 Context fork_child(Router& parent, ChildMain main, ChildOptions opts = {});
 Context spawn_child(Router& parent, const std::string& program,
                     const std::vector<std::string>& args, ChildOptions opts = {});
-// In a program started by spawn_child(): attaches to the parent and runs main.
-// Returns the process exit code.
-int run_spawned_child(ChildMain main, RouterOptions opts = {});
 
 }  // namespace spindle

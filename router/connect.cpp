@@ -4,9 +4,12 @@
 // (a "SPDL" hello and welcome); a refusal arrives as the router's reason.
 #include "router/connect.h"
 
+#include <thread>
+
 #include <fmt/format.h>
 
 #include "broker/errors.h"
+#include "broker/log.h"
 
 namespace spindle {
 
@@ -14,7 +17,26 @@ Connection::Connection(RouterOptions opts)
     : broker_(std::make_unique<Broker>()),
       router_(std::make_unique<Router>(*broker_, std::move(opts))) {}
 
-Connection::~Connection() { close(); }
+Connection::~Connection() {
+  // noexcept. On its own broker thread (dropped inside a handler) it cannot
+  // join that thread, nor free what the thread is running on: it begins the
+  // shutdown and hands both to a thread that joins the broker, then frees
+  // them.
+  if (broker_ && broker_->on_broker_thread()) {
+    broker_->shutdown();
+    std::thread([r = std::move(router_), b = std::move(broker_)]() mutable {
+      b->join();
+      r.reset();
+      b.reset();
+    }).detach();
+    return;
+  }
+  try {
+    close();
+  } catch (const std::exception& e) {
+    log().error("Connection: close failed: {}", e.what());
+  }
+}
 
 void Connection::connect(const UnixAddress& address, std::chrono::milliseconds timeout) {
   if (router_->parent_id()) throw Error("this Connection is already connected");

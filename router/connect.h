@@ -21,7 +21,8 @@
 #include <memory>
 #include <string>
 
-#include "router/context.h"
+#include "router/router.h"
+#include "spindle/context.h"
 #include "router/unix_address.h"
 
 namespace spindle {

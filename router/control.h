@@ -10,7 +10,7 @@
 
 #include <spdlog/common.h>
 
-#include "stream/message.h"
+#include "spindle/message.h"
 
 namespace spindle {
 

@@ -26,7 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "stream/message.h"
+#include "spindle/message.h"
 
 namespace spindle {
 

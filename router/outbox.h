@@ -33,11 +33,10 @@
 #include <memory>
 #include <span>
 
-#include "stream/message.h"
+#include "spindle/message.h"
+#include "spindle/options.h"
 
 namespace spindle {
-
-inline constexpr std::size_t kDefaultOutboxSize = 1u << 20;  // 1 MiB
 
 // The routing facts of one outgoing frame.
 struct OutboxRecord {

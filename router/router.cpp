@@ -45,6 +45,7 @@ Router::Router(Broker& broker, RouterOptions opts)
       call_timer_(broker.io()) {
   if (opts_.max_message_size == 0) throw Error("max_message_size must be at least 1 byte");
   relief_->broker = &broker_;
+  link_->router = this;
   relief_->resume = [this] {
     for (auto& [s, l] : links_) l->stream->resume_reading();
   };
@@ -71,6 +72,10 @@ Router::~Router() {
   auto why = std::make_exception_ptr(ChannelError(std::string(reason::kShuttingDown)));
   calls_.fail_where([](std::uint32_t) { return true; }, [&](std::uint32_t) { return why; });
   broker_.remove_participant(this);
+  // Last: a Context inside an operation holds the link shared; it finds the
+  // broker stopped and its call failed, and lets go.
+  std::unique_lock lk(link_->mu);
+  link_->router = nullptr;
 }
 
 std::optional<std::uint32_t> Router::parent_id() const {

@@ -47,9 +47,11 @@
 #include <vector>
 
 #include "broker/broker.h"
+#include "spindle/options.h"
 #include "router/call_table.h"
 #include "router/handlers.h"
 #include "router/outbox.h"
+#include "router/router_link.h"
 #include "stream/stream.h"
 
 namespace spindle {
@@ -70,31 +72,6 @@ class LogBudget {
   std::chrono::steady_clock::time_point last_{};
   std::uint64_t suppressed_ = 0;
   std::chrono::steady_clock::time_point reported_at_{};
-};
-
-struct RouterOptions {
-  std::string name;  // this context's name, for logs
-  std::uint32_t max_message_size = kDefaultMaxMessageSize;
-  std::size_t high_water_mark = kDefaultHighWaterMark;
-  std::chrono::milliseconds handshake_timeout{10000};
-  bool unidirectional = false;  // children may not reach their siblings
-  // fds (a memfd body counts as one) that one peer may have in flight through
-  // this router, queued towards other peers; over it: dead reply (router/fds.cpp).
-  std::size_t fd_quota = 1024;
-  // Payloads of at least this many bytes travel as a sealed memfd (stream/memfd.h).
-  std::size_t memfd_threshold = 1u << 20;
-  // What one peer, and all peers together, may make this router hold
-  // (stream/account.h, docs/PROTOCOL.md §14).
-  std::size_t peer_memory_limit = kDefaultPeerMemoryLimit;
-  std::size_t memory_limit = kDefaultGlobalMemoryLimit;
-  // A peer over its limit that does not read for this long is disconnected.
-  std::chrono::milliseconds stall_timeout{10000};
-  std::size_t outbox_size = kDefaultOutboxSize;
-  // FORWARD_LOG from a listener's clients (always accepted from children).
-  bool accept_client_logs = false;
-  // Log lines a peer may cause per second (FORWARD_LOG, refusals), and burst.
-  double peer_log_rate = 50;
-  double peer_log_burst = 200;
 };
 
 enum class StreamRole { kParent, kChild };
@@ -150,6 +127,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   bool parent_connected() const { return parent_up_.load(std::memory_order_acquire); }
   Broker& broker() { return broker_; }
   const RouterOptions& options() const { return opts_; }
+  // What Contexts hold to reach this router (cleared by the destructor).
+  const std::shared_ptr<detail::RouterLink>& link() const { return link_; }
 
   // --- any thread ---
   // Throws Error if an explicit handle is taken (or is a call handle).
@@ -339,6 +318,7 @@ class Router : public StreamListener, public ShutdownParticipant {
 
   Broker& broker_;
   RouterOptions opts_;
+  std::shared_ptr<detail::RouterLink> link_ = std::make_shared<detail::RouterLink>();
   const std::uint64_t serial_;  // this router among all in the process (route caches)
   std::atomic<std::uint32_t> id_{0};
   std::atomic<std::uint32_t> next_id_{1};  // root only

@@ -3,7 +3,7 @@
 #include "services/client.h"
 
 #include "services/envelope.h"
-#include "stream/frame.h"
+#include "spindle/frame.h"
 
 namespace spindle::services {
 

@@ -20,7 +20,8 @@
 #include <string>
 #include <string_view>
 
-#include "router/context.h"
+#include "router/router.h"
+#include "spindle/context.h"
 
 namespace spindle::services {
 

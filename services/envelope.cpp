@@ -54,14 +54,15 @@ Payload payload_suffix(const Payload& p, std::size_t offset) {
   return out;
 }
 
-Payload encode_call(std::string_view service, std::string_view method, Payload args) {
+Payload encode_call(std::string_view service, std::string_view method, Payload args,
+                    std::uint8_t flags) {
   for (auto [what, name] : {std::pair{"service", service}, std::pair{"method", method}}) {
     std::string problem = name_problem(what, name);
     if (!problem.empty()) throw Error(fmt::format("{}: {}", reason::kMalformed, problem));
   }
   std::string head(kEnvelopeHeaderSize, '\0');
   head[0] = static_cast<char>(kEnvelopeVersion);
-  head[1] = 0;
+  head[1] = static_cast<char>(flags);
   head[2] = static_cast<char>(service.size() >> 8);
   head[3] = static_cast<char>(service.size() & 0xff);
   head[4] = static_cast<char>(method.size() >> 8);
@@ -85,7 +86,7 @@ DecodeResult decode_call(const Payload& data) {
                           kEnvelopeVersion);
     return r;
   }
-  if (h[1] != 0) {
+  if ((h[1] & ~kEnvelopeMsgpack) != 0) {
     r.error = fmt::format("{}: unknown flags 0x{:02x}", reason::kMalformed, h[1]);
     return r;
   }
@@ -114,6 +115,7 @@ DecodeResult decode_call(const Payload& data) {
       return r;
     }
   }
+  r.envelope.flags = h[1];
   r.envelope.args = payload_suffix(data, kEnvelopeHeaderSize + slen + mlen);
   return r;
 }

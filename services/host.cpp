@@ -116,6 +116,11 @@ void ServiceHost::run(Service& svc, Message&& m) {
   const Service::Exposed* method = svc.find(d.envelope.method);
   if (!method)
     return reject(m, fmt::format("{}: {}.{}", reason::kUnknownMethod, svc.name(), d.envelope.method));
+  if (d.envelope.msgpack() != (method->encoding == Encoding::kMsgpack))
+    return reject(m, fmt::format("{}: {}.{} takes {} arguments; the call sent {}",
+                                 reason::kWrongEncoding, svc.name(), d.envelope.method,
+                                 method->encoding == Encoding::kMsgpack ? "msgpack" : "raw",
+                                 d.envelope.msgpack() ? "msgpack" : "raw"));
   Caller caller{m.header.src_id, m.header.auth_id, router_.id(), router_.parent_id()};
   if (!method->access.allows(caller))
     return reject(m, fmt::format("{}: {}.{} ({}) refused context {}", reason::kRefused, svc.name(),

@@ -40,7 +40,7 @@
 #include <vector>
 
 #include "services/futex.h"
-#include "stream/message.h"
+#include "spindle/message.h"
 
 namespace spindle::services {
 

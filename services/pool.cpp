@@ -31,8 +31,12 @@ Pool::Pool(PoolOptions opts) : opts_(std::move(opts)) {
   if (opts_.threads == 0 || opts_.threads > kMaxThreads)
     throw Error(fmt::format("pool {}: {} threads requested; a pool has 1 to {}", opts_.name,
                             opts_.threads, kMaxThreads));
+  if (opts_.caller_thread && opts_.threads != 1)
+    throw Error(fmt::format("pool {}: a caller_thread pool has exactly 1 worker, not {}", opts_.name,
+                            opts_.threads));
   live_ = opts_.threads;
   tids_.assign(opts_.threads, 0);
+  if (opts_.caller_thread) return;
   threads_.reserve(opts_.threads);
   for (std::size_t i = 0; i < opts_.threads; ++i) {
     try {
@@ -96,18 +100,33 @@ std::uint32_t Pool::add_handler(Router& router, HandlerFn fn, LaneOptions lane_o
 }
 
 void Pool::work(std::size_t index) {
+  const Pool* outer = tl_pool;
   tl_pool = this;
   {
     std::lock_guard lk(mu_);
     tids_[index] = static_cast<pid_t>(::syscall(SYS_gettid));
   }
-  std::string tname = fmt::format("{}-{}", opts_.name, index).substr(0, 15);
-  pthread_setname_np(pthread_self(), tname.c_str());  // cosmetic: failure is harmless
+  if (!opts_.caller_thread) {  // a lent thread keeps its owner's name
+    std::string tname = fmt::format("{}-{}", opts_.name, index).substr(0, 15);
+    pthread_setname_np(pthread_self(), tname.c_str());  // cosmetic: failure is harmless
+  }
   while (auto t = lanes_.take(LaneSet::Clock::time_point::max())) {
     run_one(*t);
     lanes_.done(*t->lane);
   }
+  tl_pool = outer;
   worker_exited();
+}
+
+void Pool::serve_here() {
+  {
+    std::lock_guard lk(mu_);
+    if (!opts_.caller_thread)
+      throw Error(fmt::format("pool {}: serve_here() needs a caller_thread pool", opts_.name));
+    if (served_) throw Error(fmt::format("pool {}: serve_here() was already called", opts_.name));
+    served_ = true;
+  }
+  work(0);
 }
 
 void Pool::run_one(LaneSet::Taken& t) {
@@ -171,6 +190,14 @@ void Pool::begin_stop() {
 void Pool::stop() {
   begin_stop();
   if (on_worker_thread()) return;  // a worker cannot join itself
+  bool drain_here = false;
+  {
+    std::lock_guard lk(mu_);
+    if (opts_.caller_thread && !served_) drain_here = served_ = true;
+  }
+  // Nobody served: what was accepted still runs (or gets its dead reply
+  // past the deadline), here, rather than being lost.
+  if (drain_here) work(0);
   join_workers();
 }
 

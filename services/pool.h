@@ -45,6 +45,10 @@ struct PoolOptions {
   std::size_t threads = 4;                       // 1..kMaxThreads
   std::string name = "pool";                     // thread names: "<name>-<i>"
   std::chrono::milliseconds stop_deadline{5000};  // in-flight calls get this long
+  // No thread of its own: its one worker is the thread that calls
+  // serve_here() (ChildEnv::serve runs exposed functions on main's thread,
+  // as Mitogen does). `threads` must then be 1.
+  bool caller_thread = false;
 };
 
 class Pool : public ShutdownParticipant {
@@ -72,6 +76,11 @@ class Pool : public ShutdownParticipant {
   void attach(Broker& broker);
   Broker* attached_broker() const;
   void stop();
+  // Begins the stop and returns at once (any thread, the broker's too).
+  void request_stop() { begin_stop(); }
+  // A caller_thread pool: runs its jobs on this thread until the pool stops.
+  // Throws Error for a pool with threads of its own, or a second call.
+  void serve_here();
   bool stopping() const;
   // Runs once every worker has left its loop (no handler is running).
   void on_stopped(std::function<void()> fn);
@@ -112,6 +121,7 @@ class Pool : public ShutdownParticipant {
   std::chrono::steady_clock::time_point stop_deadline_{};
   std::size_t live_ = 0;
   bool joined_ = false;
+  bool served_ = false;  // caller_thread: a thread has taken the worker's place
   bool broker_told_ = false;
   bool drained_reported_ = false;
   std::vector<std::function<void()>> stopped_fns_;

@@ -17,6 +17,7 @@ inline constexpr std::string_view kStopDeadline =
     "shutting down: the service pool's stop deadline passed before the call started";
 inline constexpr std::string_view kQueueFull = "service queue full";
 inline constexpr std::string_view kSelectClosed = "shutting down: the receiver's select is closed";
+inline constexpr std::string_view kWrongEncoding = "wrong argument encoding";
 inline constexpr std::string_view kNoReply = "the service dropped the call without replying";
 
 }  // namespace spindle::services::reason

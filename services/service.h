@@ -38,6 +38,10 @@ namespace spindle::services {
 
 enum class RunMode { kConcurrent, kSerialized, kDeduplicated };
 
+// How a method's arguments and result are encoded: raw bytes, or msgpack
+// (a typed method, <spindle/method.h>; the envelope's msgpack flag).
+enum class Encoding { kRaw, kMsgpack };
+
 // Who is calling, as the policies see it.
 struct Caller {
   std::uint32_t src_id = 0;
@@ -102,13 +106,14 @@ class Service {
   const std::string& name() const { return name_; }
   RunMode mode() const { return mode_; }
   // Throws Error on an invalid or duplicate method name.
-  void expose(std::string method, Access access, Method fn);
+  void expose(std::string method, Access access, Method fn, Encoding encoding = Encoding::kRaw);
   // Runs once, after the pool's workers have stopped.
   virtual void on_shutdown() {}
 
   struct Exposed {
     Access access;
     Method fn;
+    Encoding encoding = Encoding::kRaw;
   };
   const Exposed* find(std::string_view method) const;
 

@@ -26,10 +26,10 @@
 #include <memory>
 #include <utility>
 
+#include "spindle/options.h"
+
 namespace spindle {
 
-inline constexpr std::size_t kDefaultPeerMemoryLimit = 64u << 20;     // 64 MiB
-inline constexpr std::size_t kDefaultGlobalMemoryLimit = 1024u << 20;  // 1 GiB
 
 // What all the peers of one router may make it hold together.
 class MemoryBudget {

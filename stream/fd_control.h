@@ -14,7 +14,7 @@
 #include <cstring>
 #include <span>
 
-#include "stream/fds.h"
+#include "spindle/fds.h"
 
 namespace spindle {
 

@@ -8,8 +8,8 @@
 #include <fmt/format.h>
 
 #include "stream/byte_order.h"
-#include "stream/fds.h"
-#include "stream/frame.h"
+#include "spindle/fds.h"
+#include "spindle/frame.h"
 
 namespace spindle {
 

@@ -22,7 +22,7 @@
 #include <span>
 #include <string>
 
-#include "stream/fds.h"
+#include "spindle/fds.h"
 #include "stream/payload.h"
 
 namespace spindle {

@@ -20,9 +20,9 @@
 #include <cstddef>
 #include <mutex>
 
-namespace spindle {
+#include "spindle/options.h"
 
-inline constexpr std::size_t kDefaultHighWaterMark = 8u << 20;  // 8 MiB
+namespace spindle {
 
 class OutputGauge {
  public:

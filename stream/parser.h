@@ -26,7 +26,7 @@
 #include <span>
 #include <string>
 
-#include "stream/message.h"
+#include "spindle/message.h"
 #include "stream/rx_buffer.h"
 
 namespace spindle {

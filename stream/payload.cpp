@@ -1,6 +1,7 @@
 #include "stream/payload.h"
 
 #include <cstring>
+#include <utility>
 
 namespace spindle {
 
@@ -30,7 +31,16 @@ Payload Payload::adopt(std::shared_ptr<const Chunk> chunk, std::size_t size) {
 void Payload::append(Slice s) {
   if (s.size == 0) return;
   size_ += s.size;
-  slices_.push_back(std::move(s));
+  if (count_ < kInline) {
+    inline_[count_++] = std::move(s);
+    return;
+  }
+  if (count_ == kInline) {  // spill: from now on every slice lives in spill_
+    spill_.reserve(2 * kInline);
+    for (auto& i : inline_) spill_.push_back(std::exchange(i, Slice{}));
+  }
+  spill_.push_back(std::move(s));
+  ++count_;
 }
 
 Payload Payload::owned_copy() const {
@@ -50,16 +60,15 @@ std::string Payload::to_string() const {
 }
 
 void Payload::copy_to(std::uint8_t* out) const {
-  for (const Slice& s : slices_) {
+  for (const Slice& s : slices()) {
     std::memcpy(out, s.data, s.size);
     out += s.size;
   }
 }
 
 std::span<const std::uint8_t> Payload::contiguous() const {
-  if (slices_.empty()) return {};
-  if (slices_.size() != 1) return {};
-  return {slices_[0].data, slices_[0].size};
+  if (count_ != 1) return {};
+  return {inline_[0].data, inline_[0].size};
 }
 
 }  // namespace spindle

@@ -1,28 +1,16 @@
-// Payload: a message body held as a chain of reference-counted slices.
+// Chunk: a receive buffer that payloads point into (see <spindle/payload.h>).
 //
-// Received bytes land in 128 KiB chunks (see rx_buffer.h); a payload points
-// into those chunks instead of copying them out, and a large body is read
-// straight into one buffer of exactly its size. Either way a message costs
-// its own size once: nothing here ever joins slices into a second copy unless
-// the caller asks for one (to_string / copy_to).
-//
-// Thread safety: a Payload is immutable once built and may be read from any
-// thread; the chunks it points into are never written in the ranges it holds.
+// Thread safety: written only before it is shared; read from any thread.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <span>
-#include <string>
-#include <string_view>
-#include <boost/container/small_vector.hpp>
 
+#include "spindle/payload.h"
 #include "stream/account.h"
 
 namespace spindle {
-
-class SealedMemfd;  // shm/memfd.h
 
 // A heap buffer of fixed capacity. Not zero-filled: every byte handed out has
 // been written by a read() or a copy first. A chunk that payloads keep alive
@@ -43,54 +31,6 @@ class Chunk {
   std::unique_ptr<std::uint8_t[]> data_;
   std::size_t capacity_;
   Charge charge_;
-};
-
-struct Slice {
-  // Keeps the bytes alive (a Chunk, or a byte array). Null only in a
-  // transient view of the caller's memory, which must be copied (owned_copy)
-  // before it outlives the call that made it.
-  std::shared_ptr<const void> owner;
-  const std::uint8_t* data = nullptr;
-  std::size_t size = 0;
-};
-
-class Payload {
- public:
-  Payload() = default;
-  // noexcept moves, so containers of messages move them rather than copy them
-  // when they grow (boost's small_vector does not promise it by itself).
-  Payload(Payload&&) noexcept = default;
-  Payload& operator=(Payload&&) noexcept = default;
-  Payload(const Payload&) = default;
-  Payload& operator=(const Payload&) = default;
-  static Payload copy_of(std::string_view bytes);
-  static Payload copy_of(std::span<const std::uint8_t> bytes);
-  // One slice over the first `size` bytes of `chunk`.
-  static Payload adopt(std::shared_ptr<const Chunk> chunk, std::size_t size);
-
-  void append(Slice s);
-  std::size_t size() const { return size_; }
-  bool empty() const { return size_ == 0; }
-  std::span<const Slice> slices() const { return {slices_.data(), slices_.size()}; }
-
-  // Explicit copies, for small payloads and for callers that need contiguity.
-  std::string to_string() const;
-  Payload owned_copy() const;  // one owned buffer holding the same bytes
-  void copy_to(std::uint8_t* out) const;
-  // The bytes without a copy, when they already sit in one slice.
-  std::span<const std::uint8_t> contiguous() const;
-
-  // Set when the bytes are a mapping of exactly this sealed memfd (a fabric
-  // PayloadBuffer, or a memfd body received): a stream to a peer that takes
-  // fds then passes the fd instead of the bytes.
-  const std::shared_ptr<const SealedMemfd>& memfd() const { return memfd_; }
-  void set_memfd(std::shared_ptr<const SealedMemfd> m) { memfd_ = std::move(m); }
-
- private:
-  // Most payloads are one or two slices: keep those inline, no allocation.
-  boost::container::small_vector<Slice, 2> slices_;
-  std::size_t size_ = 0;
-  std::shared_ptr<const SealedMemfd> memfd_;
 };
 
 }  // namespace spindle

@@ -33,7 +33,7 @@
 #include <functional>
 #include <string>
 
-#include "stream/frame.h"
+#include "spindle/frame.h"
 #include "stream/output_gauge.h"
 #include "stream/payload.h"
 

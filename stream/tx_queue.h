@@ -27,9 +27,9 @@
 #include <boost/container/small_vector.hpp>
 
 #include "stream/account.h"
-#include "stream/fds.h"
-#include "stream/frame.h"
-#include "stream/message.h"
+#include "spindle/fds.h"
+#include "spindle/frame.h"
+#include "spindle/message.h"
 #include "stream/payload.h"
 #include "stream/ring.h"
 

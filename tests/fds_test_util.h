@@ -21,7 +21,7 @@
 
 #include "stream/fd_control.h"
 #include "stream/fd_frame.h"
-#include "stream/fds.h"
+#include "spindle/fds.h"
 #include "router/child.h"
 #include "tests/process_util.h"
 #include "tests/stream_test_util.h"

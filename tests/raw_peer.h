@@ -32,11 +32,11 @@
 #include "router/unix_address.h"
 #include "stream/byte_order.h"
 #include "stream/fd_frame.h"
-#include "stream/fds.h"
-#include "stream/frame.h"
+#include "spindle/fds.h"
+#include "spindle/frame.h"
 #include "stream/handshake.h"
 #include "stream/listener_handshake.h"
-#include "stream/message.h"
+#include "spindle/message.h"
 
 namespace spindle::testutil {
 

@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "broker/errors.h"
-#include "router/context.h"
+#include "spindle/context.h"
 #include "router/router.h"
 #include "services/client.h"
 #include "services/host.h"

@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "broker/broker.h"
-#include "stream/frame.h"
-#include "stream/message.h"
+#include "spindle/frame.h"
+#include "spindle/message.h"
 #include "stream/parser.h"
 #include "stream/rx_buffer.h"
 #include "stream/stream.h"

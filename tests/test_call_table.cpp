@@ -14,7 +14,7 @@
 
 #include "broker/errors.h"
 #include "router/call_table.h"
-#include "stream/message.h"
+#include "spindle/message.h"
 
 namespace spindle {
 namespace {

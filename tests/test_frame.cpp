@@ -8,8 +8,8 @@
 
 #include <gtest/gtest.h>
 
-#include "stream/frame.h"
-#include "stream/message.h"
+#include "spindle/frame.h"
+#include "spindle/message.h"
 #include "stream/payload.h"
 
 using namespace spindle;

@@ -16,7 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "router/reasons.h"
-#include "stream/fds.h"
+#include "spindle/fds.h"
 #include "tests/process_util.h"
 #include "tests/raw_peer.h"
 #include "tests/router_fixture.h"

@@ -19,7 +19,7 @@
 #include "broker/log.h"
 #include "router/reasons.h"
 #include "stream/byte_order.h"
-#include "stream/frame.h"
+#include "spindle/frame.h"
 #include "stream/listener_handshake.h"
 #include "tests/listener_test_util.h"
 #include "tests/raw_peer.h"

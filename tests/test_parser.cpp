@@ -10,8 +10,8 @@
 
 #include <gtest/gtest.h>
 
-#include "stream/frame.h"
-#include "stream/message.h"
+#include "spindle/frame.h"
+#include "spindle/message.h"
 #include "stream/parser.h"
 #include "stream/rx_buffer.h"
 

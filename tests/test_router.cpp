@@ -28,9 +28,9 @@
 #include "router/router.h"
 #include "tests/raw_peer.h"
 #include "tests/router_test_util.h"
-#include "stream/frame.h"
+#include "spindle/frame.h"
 #include "stream/handshake.h"
-#include "stream/message.h"
+#include "spindle/message.h"
 #include "stream/port.h"
 
 namespace spindle {

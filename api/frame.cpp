@@ -1,5 +1,5 @@
 // Frame header encoding, field by field in big-endian order.
-#include "stream/frame.h"
+#include "spindle/frame.h"
 
 #include "stream/byte_order.h"
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <string_view>
 
-#include "stream/fds.h"
-#include "stream/frame.h"
-#include "stream/payload.h"
+#include <spindle/fds.h>
+#include <spindle/frame.h>
+#include <spindle/payload.h>
 
 namespace spindle {
 

@@ -1,4 +1,4 @@
-#include "stream/message.h"
+#include "spindle/message.h"
 
 namespace spindle {
 

@@ -1,7 +1,7 @@
 // Fds are closed by their owners' destructors; a failing close() is not
 // retried (on Linux the descriptor is gone either way), only counted as the
 // caller's problem if it matters, which for a received fd it never does.
-#include "stream/fds.h"
+#include "spindle/fds.h"
 
 #include <fcntl.h>
 #include <unistd.h>

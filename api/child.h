@@ -1,0 +1,140 @@
+// Children: what a child context's main gets (ChildEnv), how a child is
+// started (ChildOptions), and the parent's owner of it (Child).
+//
+// A child's main registers what it serves, then serves until its parent
+// says SHUTDOWN:
+//   int child_main(spindle::ChildEnv& env) {
+//     env.expose(square, [](long n) { return n * n; });
+//     return env.serve();
+//   }
+// Exposed functions never run on the broker thread: serve() runs them one
+// at a time, in arrival order, on the thread that called it (main's), as
+// Mitogen does. By default only the parent may call them (Allow::kParent).
+//
+// Child: a move-only owner of the process. Its destructor sends SHUTDOWN,
+// waits the grace period for the child to exit, then SIGKILLs and reaps it.
+// It is a Context, so it takes calls; copy it into a Context to share a
+// handle that does not own the process.
+//
+// Thread safety: ChildEnv is used by the child's main thread. A Child is
+// used like a Context; its destructor never blocks the broker thread (there
+// it only sends SHUTDOWN, and the broker reaps the child).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include <spindle/codec.h>
+#include <spindle/context.h>
+#include <spindle/method.h>
+#include <spindle/options.h>
+
+namespace spindle {
+
+class Broker;
+namespace detail {
+struct Exposed;
+}
+
+// Who may call an exposed function.
+enum class Allow {
+  kParent,  // this context's parent (and this context itself)
+  kAnyone,  // every context that can reach this one
+};
+
+class ChildEnv {
+ public:
+  ChildEnv(Router& router, Broker& broker);
+  ~ChildEnv();
+  ChildEnv(const ChildEnv&) = delete;
+  ChildEnv& operator=(const ChildEnv&) = delete;
+
+  std::uint32_t id() const;
+  Context parent();
+
+  // Exposes `fn` as `m`. A function that cannot be called as R(A...) does
+  // not compile. Call before serve(). Throws Error for a name exposed twice.
+  template <class R, class... A, class F>
+  void expose(const method<R(A...)>& m, F fn, Allow allow = Allow::kParent) {
+    static_assert(std::is_invocable_r_v<R, F&, A...>,
+                  "spindle::ChildEnv::expose: the function cannot be called with the method's "
+                  "argument types, or does not return its result type");
+    auto f = std::make_shared<F>(std::move(fn));
+    expose_encoded(m.name(), allow, [f](const Payload& bytes) -> Payload {
+      auto args = detail::decode_args<A...>(bytes);
+      if constexpr (std::is_void_v<R>) {
+        std::apply(*f, std::move(args));
+        return detail::encode_void();
+      } else {
+        return detail::encode_value<R>(static_cast<R>(std::apply(*f, std::move(args))));
+      }
+    });
+  }
+  // The untyped form underneath: `fn` takes the msgpack array of arguments
+  // and returns one msgpack value.
+  void expose_encoded(std::string_view name, Allow allow, std::function<Payload(const Payload&)> fn);
+
+  // Declares the handlers registered: messages that waited for them are
+  // dispatched (or answered "invalid handle"). Idempotent.
+  void ready();
+  // ready(), then runs exposed functions on this thread until the parent
+  // asks this context to shut down or the parent link is lost. Returns 0,
+  // so that `return env.serve();` ends main cleanly.
+  int serve();
+
+  // Internal: the machinery underneath, for the project's own tests.
+  Router& router() { return router_; }
+  Broker& broker() { return broker_; }
+
+ private:
+  Router& router_;
+  Broker& broker_;
+  std::shared_ptr<detail::Exposed> exposed_;
+};
+
+using ChildMain = std::function<int(ChildEnv&)>;
+
+enum class ChildTransport { kSocketPair, kStdio };
+
+struct ChildOptions {
+  std::string name;                                        // default "child-<id>"
+  ChildTransport transport = ChildTransport::kSocketPair;  // spawn_child only
+  RouterOptions router;                                    // the child's router settings
+  // How long ~Child waits for the child to exit after SHUTDOWN before SIGKILL.
+  std::chrono::milliseconds grace{5000};
+};
+
+class Child : public Context {
+ public:
+  Child() = default;
+  Child(Context context, std::chrono::milliseconds grace)
+      : Context(std::move(context)), grace_(grace) {}
+  Child(Child&& o) noexcept
+      : Context(std::move(static_cast<Context&>(o))), grace_(o.grace_), status_(o.status_),
+        stopped_(o.stopped_) {}
+  Child& operator=(Child&& o) noexcept;
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+  ~Child();
+
+  // SHUTDOWN, up to the grace period for the child to exit, then SIGKILL;
+  // the child is reaped. Returns its wait status (-1 if this Child owns no
+  // process). Idempotent: later calls return the same status.
+  int stop() noexcept;
+  // A handle on the same context that does not own the process.
+  Context context() const { return *this; }
+
+ private:
+  std::chrono::milliseconds grace_{5000};
+  int status_ = -1;
+  bool stopped_ = false;
+};
+
+}  // namespace spindle

@@ -1,0 +1,144 @@
+// ChildEnv's exposed functions are services on the one mechanism every
+// service uses (services/host.h): a ServiceHost on handle 110 hands each
+// call to a lane of a Pool. Here the pool has no thread of its own: serve()
+// lends it the calling thread (PoolOptions::caller_thread), so the functions
+// run one at a time, in arrival order, on main's thread, and a SHUTDOWN from
+// the parent stops the pool, which ends serve(). A name "svc.fn" is method
+// fn of service svc; a bare name belongs to kDefaultService.
+#include "spindle/child.h"
+
+#include <map>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "broker/broker.h"
+#include "broker/errors.h"
+#include "broker/log.h"
+#include "router/router.h"
+#include "services/host.h"
+#include "services/pool.h"
+#include "services/service.h"
+
+namespace spindle {
+namespace detail {
+
+struct Exposed {
+  struct Fn {
+    std::string method;
+    Allow allow;
+    std::function<Payload(const Payload&)> fn;
+  };
+  std::map<std::string, std::vector<Fn>, std::less<>> services;
+  // Destroyed host first: it stops the pool it borrows.
+  std::unique_ptr<services::Pool> pool;
+  std::unique_ptr<services::ServiceHost> host;
+};
+
+}  // namespace detail
+
+ChildEnv::ChildEnv(Router& router, Broker& broker) : router_(router), broker_(broker) {}
+ChildEnv::~ChildEnv() = default;
+
+std::uint32_t ChildEnv::id() const { return router_.id(); }
+
+Context ChildEnv::parent() {
+  auto pid = router_.parent_id();
+  if (!pid) throw Error("this context has no parent");
+  return Context(router_, *pid, "parent");
+}
+
+void ChildEnv::ready() { router_.hold_unknown_handles(false); }
+
+void ChildEnv::expose_encoded(std::string_view name, Allow allow,
+                              std::function<Payload(const Payload&)> fn) {
+  if (exposed_ && exposed_->host) throw Error(fmt::format("expose({}): serve() has already begun", name));
+  std::string_view service = kDefaultService, method = name;
+  if (auto dot = name.rfind('.'); dot != std::string_view::npos) {
+    service = name.substr(0, dot);
+    method = name.substr(dot + 1);
+  }
+  if (service.empty() || method.empty())
+    throw Error(fmt::format("expose: '{}' is not a method name (\"fn\" or \"service.fn\")", name));
+  if (!exposed_) exposed_ = std::make_shared<detail::Exposed>();
+  auto& fns = exposed_->services[std::string(service)];
+  for (auto& f : fns)
+    if (f.method == method) throw Error(fmt::format("expose: {} is already exposed", name));
+  fns.push_back({std::string(method), allow, std::move(fn)});
+}
+
+int ChildEnv::serve() {
+  if (!exposed_) {  // nothing exposed: only handlers registered on the router
+    ready();
+    broker_.wait_for_shutdown_request();
+    return 0;
+  }
+  auto& ex = *exposed_;
+  if (ex.host) throw Error("serve() was already called");
+  if (!broker_.accepting()) {  // SHUTDOWN came before serve(): nothing to serve
+    ready();
+    return 0;
+  }
+  ex.pool = std::make_unique<services::Pool>(
+      services::PoolOptions{.threads = 1, .name = "serve", .caller_thread = true});
+  try {
+    ex.host = std::make_unique<services::ServiceHost>(router_, *ex.pool);
+  } catch (const ShutdownError&) {  // the broker stopped meanwhile
+    ready();
+    return 0;
+  }
+  for (auto& [name, fns] : ex.services) {
+    auto svc = std::make_unique<services::Service>(name, services::RunMode::kSerialized);
+    for (auto& f : fns) {
+      auto access = f.allow == Allow::kAnyone ? services::Access::any() : services::Access::parents();
+      svc->expose(f.method, std::move(access),
+                  [fn = f.fn](services::Request& req) { return fn(req.args()); },
+                  services::Encoding::kMsgpack);
+    }
+    ex.host->add(std::move(svc));
+  }
+  // SHUTDOWN (or the parent's loss) stops the pool, which ends serve_here.
+  broker_.on_shutdown_request([ex = exposed_] { ex->pool->request_stop(); });
+  ready();
+  ex.pool->serve_here();
+  return 0;
+}
+
+Child& Child::operator=(Child&& o) noexcept {
+  if (this != &o) {
+    stop();
+    static_cast<Context&>(*this) = std::move(static_cast<Context&>(o));
+    grace_ = o.grace_;
+    status_ = o.status_;
+    stopped_ = o.stopped_;
+  }
+  return *this;
+}
+
+Child::~Child() { stop(); }
+
+int Child::stop() noexcept {
+  const auto& proc = process();
+  if (!proc || stopped_) return status_;
+  bool on_broker = false;
+  try {
+    Router& r = router();
+    on_broker = r.broker().on_broker_thread();
+    shutdown();
+  } catch (const std::exception& e) {
+    // The runtime is gone (its broker reaped the child) or the link is:
+    // the steps below still reap it.
+    log().debug("child {} ({}): SHUTDOWN not sent: {}", name(), id(), e.what());
+  }
+  if (on_broker) return -1;  // never block the broker: it reaps the child itself
+  try {
+    status_ = proc->finish(grace_);
+    stopped_ = true;
+    return status_;
+  } catch (const std::exception& e) {
+    log().error("child {} ({}): cannot reap pid {}: {}", name(), id(), proc->pid(), e.what());
+    return -1;
+  }
+}
+
+}  // namespace spindle

@@ -1,0 +1,49 @@
+// Options: what a context's router may hold and accept, set by the library
+// user (RouterOptions) and, for spindle-router, from its command line.
+//
+// Every limit here bounds what a peer can make this process hold; see
+// docs/PROTOCOL.md section 14 for the accounting rule.
+//
+// Thread safety: plain values.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <spindle/frame.h>
+
+namespace spindle {
+
+inline constexpr std::size_t kDefaultHighWaterMark = 8u << 20;         // 8 MiB
+inline constexpr std::size_t kDefaultPeerMemoryLimit = 64u << 20;      // 64 MiB
+inline constexpr std::size_t kDefaultGlobalMemoryLimit = 1024u << 20;  // 1 GiB
+inline constexpr std::size_t kDefaultOutboxSize = 1u << 20;            // 1 MiB
+
+struct RouterOptions {
+  std::string name;  // this context's name, for logs
+  std::uint32_t max_message_size = kDefaultMaxMessageSize;
+  std::size_t high_water_mark = kDefaultHighWaterMark;
+  std::chrono::milliseconds handshake_timeout{10000};
+  bool unidirectional = false;  // children may not reach their siblings
+  // fds (a memfd body counts as one) that one peer may have in flight through
+  // this router, queued towards other peers; over it: dead reply (router/fds.cpp).
+  std::size_t fd_quota = 1024;
+  // Payloads of at least this many bytes travel as a sealed memfd (stream/memfd.h).
+  std::size_t memfd_threshold = 1u << 20;
+  // What one peer, and all peers together, may make this router hold
+  // (stream/account.h, docs/PROTOCOL.md §14).
+  std::size_t peer_memory_limit = kDefaultPeerMemoryLimit;
+  std::size_t memory_limit = kDefaultGlobalMemoryLimit;
+  // A peer over its limit that does not read for this long is disconnected.
+  std::chrono::milliseconds stall_timeout{10000};
+  std::size_t outbox_size = kDefaultOutboxSize;
+  // FORWARD_LOG from a listener's clients (always accepted from children).
+  bool accept_client_logs = false;
+  // Log lines a peer may cause per second (FORWARD_LOG, refusals), and burst.
+  double peer_log_rate = 50;
+  double peer_log_burst = 200;
+};
+
+}  // namespace spindle

@@ -1,0 +1,304 @@
+// The public API (<spindle/spindle.h>, <spindle/asio.h>) as a user meets it:
+// typed calls to a forked child in every form, errors in every form, the
+// access rule, where exposed functions run, Context and Child lifetimes, and
+// the msgpack input check against hostile sizes.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <asio/bind_cancellation_slot.hpp>
+#include <asio/bind_executor.hpp>
+#include <asio/cancellation_signal.hpp>
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/experimental/deferred.hpp>
+#include <asio/io_context.hpp>
+#include <asio/use_awaitable.hpp>
+#include <asio/use_future.hpp>
+#include <gtest/gtest.h>
+
+#include <spindle/asio.h>
+#include <spindle/spindle.h>
+
+#include "services/client.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Point {
+  int x = 0;
+  std::string label;
+  MSGPACK_DEFINE_MAP(x, label)
+};
+
+inline constexpr spindle::method<long(long)> square{"square"};
+inline constexpr spindle::method<std::string(long)> square_as_text{"square"};  // a wrong declaration
+inline constexpr spindle::method<Point(Point)> mirror{"geo.mirror"};
+inline constexpr spindle::method<long()> tid{"tid"};
+inline constexpr spindle::method<long()> count{"count"};
+inline constexpr spindle::method<void(long)> nap{"nap"};
+inline constexpr spindle::method<long(std::string)> fail{"fail"};
+inline constexpr spindle::method<long(std::uint32_t)> ask_sibling{"ask_sibling"};
+inline constexpr spindle::method<long(long)> open_square{"open.square"};
+
+int child_main(spindle::ChildEnv& env) {
+  long calls = 0;
+  env.expose(square, [](long n) { return n * n; });
+  env.expose(mirror, [](Point p) { return Point{-p.x, p.label + "!"}; });
+  env.expose(tid, [] { return static_cast<long>(::gettid()); });
+  env.expose(count, [&calls] { return ++calls; });
+  env.expose(nap, [](long ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
+  env.expose(fail, [](std::string why) -> long { throw std::invalid_argument(why); });
+  env.expose(open_square, [](long n) { return n * n; }, spindle::Allow::kAnyone);
+  env.expose(ask_sibling, [&env](std::uint32_t sibling) {
+    spindle::Context s(env.router(), sibling, "sibling");
+    long open = s.call(open_square, 3L);
+    try {
+      s.call(square, 3L);
+      return -1L;  // the parent-only function answered a sibling
+    } catch (const spindle::ChannelError& e) {
+      return std::string(e.what()).find("refused by service policy") != std::string::npos ? open : -2L;
+    }
+  });
+  return env.serve();
+}
+
+class Api : public ::testing::Test {
+ protected:
+  spindle::Runtime rt;
+  spindle::Child child = rt.fork_child(child_main, {.name = "api-child"});
+};
+
+TEST_F(Api, TypedCallBlockingFutureAndByName) {
+  EXPECT_EQ(child.call(square, 7), 49);
+  EXPECT_EQ(child.call_async(square, 3).get(), 9);
+  EXPECT_EQ(child.call<long>("square", 5L), 25);
+}
+
+TEST_F(Api, StructsTravelAsMaps) {
+  Point p = child.call(mirror, Point{4, "a"});
+  EXPECT_EQ(p.x, -4);
+  EXPECT_EQ(p.label, "a!");
+  // What another language sees: a map with the field names as keys.
+  spindle::Payload raw =
+      child.call_named("geo.mirror", spindle::detail::encode_args<Point>(Point{1, "b"}));
+  auto h = msgpack::unpack(raw.to_string().data(), raw.size());
+  ASSERT_EQ(h.get().type, msgpack::type::MAP);
+  auto m = h.get().as<std::map<std::string, msgpack::object>>();
+  EXPECT_EQ(m.at("x").as<int>(), -1);
+  EXPECT_EQ(m.at("label").as<std::string>(), "b!");
+}
+
+TEST_F(Api, RemoteExceptionArrivesAsCallErrorInEveryForm) {
+  auto check = [](const spindle::CallError& e) {
+    EXPECT_EQ(e.type(), "std::invalid_argument");
+    EXPECT_EQ(e.message(), "no such thing");
+  };
+  try {
+    child.call(fail, "no such thing");
+    ADD_FAILURE() << "no CallError";
+  } catch (const spindle::CallError& e) {
+    check(e);
+  }
+  auto f = child.call_async(fail, "no such thing");
+  EXPECT_THROW(f.get(), spindle::CallError);
+  asio::io_context ioc{1};
+  std::exception_ptr seen;
+  child.async_call(fail, "no such thing", [&](std::exception_ptr e, long) { seen = e; });
+  // The callback's executor is the system executor: wait for it.
+  for (int i = 0; i < 500 && !seen; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(seen);
+  try {
+    std::rethrow_exception(seen);
+  } catch (const spindle::CallError& e) {
+    check(e);
+  }
+}
+
+TEST_F(Api, BytesThatDoNotDecodeAreADecodeError) {
+  // Arguments the callee cannot decode: a string for a long.
+  try {
+    child.call<long>("square", std::string("seven"));
+    ADD_FAILURE() << "no CallError";
+  } catch (const spindle::CallError& e) {
+    EXPECT_EQ(e.type(), spindle::kDecodeErrorType) << e.what();
+  }
+  // A result the caller cannot decode: the caller declared the wrong type.
+  try {
+    child.call(square_as_text, 2);
+    ADD_FAILURE() << "no CallError";
+  } catch (const spindle::CallError& e) {
+    EXPECT_EQ(e.type(), spindle::kDecodeErrorType) << e.what();
+  }
+}
+
+TEST_F(Api, UnknownNamesAndRawCallsGetAClearDeadReply) {
+  try {
+    child.call<long>("nothing_here", 1L);
+    ADD_FAILURE() << "no ChannelError";
+  } catch (const spindle::ChannelError& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown method: fn.nothing_here"), std::string::npos) << e.what();
+  }
+  // A caller that sends raw bytes to a typed function (an older peer, or a
+  // mistake) is told so, rather than having its bytes misread.
+  try {
+    spindle::services::call(child, "fn", "square", spindle::Payload::copy_of("7"));
+    ADD_FAILURE() << "no ChannelError";
+  } catch (const spindle::ChannelError& e) {
+    EXPECT_NE(std::string(e.what()).find("wrong argument encoding"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(child.call(square, 2), 4);  // the child is unharmed
+}
+
+TEST_F(Api, ExposedFunctionsRunOnTheThreadThatServes) {
+  // serve() runs on the forked child's only thread at first: main's, whose
+  // kernel id is the process id.
+  EXPECT_EQ(child.call(tid), child.pid());
+}
+
+TEST_F(Api, OnlyTheParentMayCallByDefault) {
+  spindle::Child sibling = rt.fork_child(child_main, {.name = "sibling"});
+  // 9 means: the open function answered the sibling, the default one refused it.
+  EXPECT_EQ(child.call(ask_sibling, sibling.id()), 9);
+}
+
+TEST_F(Api, ContextUsedAfterItsRuntimeIsGoneThrowsShutdownError) {
+  spindle::Context kept;
+  {
+    spindle::Runtime other;
+    spindle::Child c = other.fork_child(child_main);
+    kept = c;
+    EXPECT_EQ(kept.call(square, 4), 16);
+  }
+  EXPECT_THROW(kept.call(square, 4), spindle::ShutdownError);
+  EXPECT_THROW(kept.call_async(square, 4), spindle::ShutdownError);
+  EXPECT_THROW(kept.send(3000, std::string_view("x")), spindle::ShutdownError);
+  std::exception_ptr seen;
+  kept.async_call(square, 4, [&](std::exception_ptr e, long) { seen = e; });
+  for (int i = 0; i < 500 && !seen; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(seen);
+  EXPECT_THROW(std::rethrow_exception(seen), spindle::ShutdownError);
+}
+
+TEST(ApiChild, StopEndsAServingChildGracefully) {
+  spindle::Runtime rt;
+  spindle::Child c = rt.fork_child(child_main);
+  pid_t pid = c.pid();
+  int st = c.stop();
+  ASSERT_TRUE(WIFEXITED(st)) << st;
+  EXPECT_EQ(WEXITSTATUS(st), 0);
+  EXPECT_EQ(c.stop(), st);  // idempotent
+  EXPECT_EQ(::kill(pid, 0), -1);  // reaped: no such process (nor zombie)
+}
+
+TEST(ApiChild, DestructorKillsAChildThatIgnoresShutdown) {
+  spindle::Runtime rt;
+  pid_t pid;
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    spindle::Child c = rt.fork_child(
+        [](spindle::ChildEnv&) {
+          ::signal(SIGTERM, SIG_IGN);
+          for (;;) ::pause();
+          return 0;
+        },
+        {.name = "stubborn", .grace = 300ms});
+    pid = c.pid();
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 300ms);
+  EXPECT_EQ(::kill(pid, 0), -1);
+  EXPECT_EQ(errno, ESRCH);
+}
+
+TEST(ApiChild, MovedChildOwnsTheProcessOnce) {
+  spindle::Runtime rt;
+  spindle::Child a = rt.fork_child(child_main);
+  spindle::Child b = std::move(a);
+  EXPECT_EQ(b.call(square, 6), 36);
+  EXPECT_EQ(a.stop(), -1);  // owns nothing now
+  EXPECT_THROW(a.call(square, 1), spindle::ShutdownError);
+  EXPECT_TRUE(WIFEXITED(b.stop()));
+}
+
+TEST_F(Api, CompletionTokens) {
+  asio::io_context ioc{1};
+  long awaited = 0;
+  asio::co_spawn(
+      ioc, [&]() -> asio::awaitable<void> { awaited = co_await child.async_call(square, 9, asio::use_awaitable); },
+      asio::detached);
+  ioc.run();  // the pending call's work guard keeps run() going until it completes
+  EXPECT_EQ(awaited, 81);
+
+  std::future<long> f = child.async_call(square, 8, asio::use_future);
+  EXPECT_EQ(f.get(), 64);
+
+  // A completion runs on the handler's executor: this io_context's thread.
+  ioc.restart();
+  std::thread::id ran_on;
+  long got = 0;
+  child.async_call(square, 5, asio::bind_executor(ioc, [&](std::exception_ptr e, long r) {
+                     EXPECT_FALSE(e);
+                     got = r;
+                     ran_on = std::this_thread::get_id();
+                   }));
+  ioc.run();
+  EXPECT_EQ(got, 25);
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+}
+
+TEST_F(Api, DeferredSendsNothingBeforeItIsAwaited) {
+  auto op = child.async_call(count, asio::experimental::deferred);
+  EXPECT_EQ(child.call(count), 1);  // the deferred call has not run
+  asio::io_context ioc{1};
+  long later = 0;
+  std::move(op)([&](std::exception_ptr e, long n) {
+    EXPECT_FALSE(e);
+    later = n;
+  });
+  for (int i = 0; i < 500 && later == 0; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(later, 2);
+}
+
+TEST_F(Api, CancellationCompletesWithOperationAborted) {
+  asio::io_context ioc{1};
+  asio::cancellation_signal cancel;
+  std::exception_ptr seen;
+  bool done = false;
+  auto t0 = std::chrono::steady_clock::now();
+  child.async_call(nap, 1500L,
+                   asio::bind_cancellation_slot(cancel.slot(), asio::bind_executor(ioc, [&](std::exception_ptr e) {
+                                                  seen = e;
+                                                  done = true;
+                                                })));
+  asio::post(ioc, [&] { cancel.emit(asio::cancellation_type::terminal); });
+  ioc.run();
+  ASSERT_TRUE(done);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1000ms);
+  try {
+    std::rethrow_exception(seen);
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code(), asio::error::operation_aborted);
+  }
+}
+
+TEST(ApiCodec, AHostileContainerSizeIsRefusedBeforeAnythingIsAllocated) {
+  // array32 claiming 4 billion elements, in 5 bytes; then a map32 the same.
+  for (std::string bytes : {std::string("\xdd\xff\xff\xff\xff", 5), std::string("\xdf\x7f\xff\xff\xff", 5),
+                            std::string("\x92\x01", 2), std::string("\xc1", 1), std::string("\x01\x02", 2)}) {
+    EXPECT_THROW(spindle::detail::unpack_checked(spindle::Payload::copy_of(bytes), "arguments"),
+                 spindle::DecodeError);
+  }
+  auto ok = spindle::detail::encode_args<long, std::string, std::vector<int>>(1L, "x", std::vector<int>{1, 2, 3});
+  EXPECT_NO_THROW(spindle::detail::unpack_checked(ok, "arguments"));
+}
+
+}  // namespace
