@@ -30,6 +30,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <spindle/codec.h>
 #include <spindle/context.h>
@@ -103,12 +104,41 @@ using ChildMain = std::function<int(ChildEnv&)>;
 
 enum class ChildTransport { kSocketPair, kStdio };
 
+// Which of the parent's fds a child started by fork_child() keeps (stdin,
+// stdout and stderr always stay). spawn_child() execs a program instead: it
+// passes stdio, the link and ChildOptions::pass_fds, as Python's subprocess
+// does.
+class FdPolicy {
+ public:
+  enum class Kind { kCloseSpindle, kCloseAllExcept, kInheritAll };
+  // The default: the child closes the fds Spindle opened in the parent (its
+  // links to other contexts, its listener, its broker's, memfds and fds of
+  // messages in flight) and keeps every other at its number: what the
+  // parent's own code opened is still there for the child's code.
+  static FdPolicy close_spindle_fds() { return FdPolicy(Kind::kCloseSpindle, {}); }
+  // The child keeps only `keep` (and stdio): the closest to a fresh exec.
+  static FdPolicy close_all_except(std::vector<int> keep);
+  // The child keeps every fd, Spindle's too.
+  static FdPolicy inherit_all() { return FdPolicy(Kind::kInheritAll, {}); }
+
+  FdPolicy() = default;
+  Kind kind() const { return kind_; }
+  const std::vector<int>& kept() const { return keep_; }  // ascending
+
+ private:
+  FdPolicy(Kind k, std::vector<int> keep) : kind_(k), keep_(std::move(keep)) {}
+  Kind kind_ = Kind::kCloseSpindle;
+  std::vector<int> keep_;
+};
+
 struct ChildOptions {
   std::string name;                                        // default "child-<id>"
   ChildTransport transport = ChildTransport::kSocketPair;  // spawn_child only
   RouterOptions router;                                    // the child's router settings
   // How long ~Child waits for the child to exit after SHUTDOWN before SIGKILL.
   std::chrono::milliseconds grace{5000};
+  FdPolicy fds;                  // fork_child only
+  std::vector<int> pass_fds;     // spawn_child only: kept at their numbers (>= 3)
 };
 
 class Child : public Context {

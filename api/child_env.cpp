@@ -7,6 +7,7 @@
 // fn of service svc; a bare name belongs to kDefaultService.
 #include "spindle/child.h"
 
+#include <algorithm>
 #include <map>
 #include <vector>
 
@@ -81,12 +82,7 @@ int ChildEnv::serve() {
   }
   ex.pool = std::make_unique<services::Pool>(
       services::PoolOptions{.threads = 1, .name = "serve", .caller_thread = true});
-  try {
-    ex.host = std::make_unique<services::ServiceHost>(router_, *ex.pool);
-  } catch (const ShutdownError&) {  // the broker stopped meanwhile
-    ready();
-    return 0;
-  }
+  std::vector<std::unique_ptr<services::Service>> services;
   for (auto& [name, fns] : ex.services) {
     auto svc = std::make_unique<services::Service>(name, services::RunMode::kSerialized);
     for (auto& f : fns) {
@@ -95,13 +91,27 @@ int ChildEnv::serve() {
                   [fn = f.fn](services::Request& req) { return fn(req.args()); },
                   services::Encoding::kMsgpack);
     }
-    ex.host->add(std::move(svc));
+    services.push_back(std::move(svc));
+  }
+  try {
+    ex.host = std::make_unique<services::ServiceHost>(router_, *ex.pool, std::move(services));
+  } catch (const ShutdownError&) {  // the broker stopped meanwhile
+    ready();
+    return 0;
   }
   // SHUTDOWN (or the parent's loss) stops the pool, which ends serve_here.
   broker_.on_shutdown_request([ex = exposed_] { ex->pool->request_stop(); });
   ready();
   ex.pool->serve_here();
   return 0;
+}
+
+FdPolicy FdPolicy::close_all_except(std::vector<int> keep) {
+  for (int fd : keep)
+    if (fd < 0) throw Error(fmt::format("FdPolicy::close_all_except: {} is not an fd", fd));
+  std::sort(keep.begin(), keep.end());
+  keep.erase(std::unique(keep.begin(), keep.end()), keep.end());
+  return FdPolicy(Kind::kCloseAllExcept, std::move(keep));
 }
 
 Child& Child::operator=(Child&& o) noexcept {

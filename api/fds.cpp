@@ -8,12 +8,26 @@
 
 #include <cerrno>
 #include <system_error>
+#include <utility>
+
+#include "broker/fd_registry.h"
 
 namespace spindle {
 
+UniqueFd::UniqueFd(int fd) : fd_(fd) { fd_registry::note(fd); }
+
+int UniqueFd::release() {
+  fd_registry::forget(fd_);
+  return std::exchange(fd_, -1);
+}
+
 void UniqueFd::reset(int fd) {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0) {
+    fd_registry::forget(fd_);
+    ::close(fd_);
+  }
   fd_ = fd;
+  fd_registry::note(fd);
 }
 
 UniqueFd dup_fd(int fd) {

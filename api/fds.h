@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace spindle {
@@ -27,11 +28,16 @@ inline constexpr std::size_t kMaxFdsPerMessage = 253;
 class UniqueFd {
  public:
   UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
+  // Takes ownership of `fd`. The fd is Spindle's from then on: a child that
+  // fork_child() starts later closes it (FdPolicy), until this lets it go.
+  explicit UniqueFd(int fd);
   ~UniqueFd() { reset(); }
-  UniqueFd(UniqueFd&& o) noexcept : fd_(o.release()) {}
+  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
   UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) reset(o.release());
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
     return *this;
   }
   UniqueFd(const UniqueFd&) = delete;
@@ -39,11 +45,8 @@ class UniqueFd {
 
   int get() const { return fd_; }
   explicit operator bool() const { return fd_ >= 0; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
+  // Gives the fd up: the caller owns it, and it is no longer Spindle's.
+  int release();
   void reset(int fd = -1);
 
  private:

@@ -17,12 +17,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <system_error>
 
 #include <asio/executor_work_guard.hpp>
 #include <asio/post.hpp>
 
 #include "broker/errors.h"
+#include "broker/fd_registry.h"
 #include "broker/log.h"
 
 namespace spindle {
@@ -32,12 +34,23 @@ Broker::Broker() : Broker(Options{}) {}
 Broker::Broker(Options opts) : opts_(opts), waker_(io_) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+  fd_registry::note(wake_fd_);
+  for (int fd : fd_registry::anon_inode_fds())
+    if (fd != wake_fd_ && !std::binary_search(anon_fds_before_.begin(), anon_fds_before_.end(), fd))
+      asio_fds_.push_back(fd);
+  for (int fd : asio_fds_) fd_registry::note(fd);
+  anon_fds_before_ = {};
   waker_.assign(wake_fd_);
   arm_waker();
   thread_ = std::thread([this] { run(); });
 }
 
 Broker::~Broker() {
+  // Anonymous inodes all look alike: forget them before they close, or a
+  // child forked later would close the application's eventfd that took
+  // one of their numbers.
+  fd_registry::forget(wake_fd_);
+  for (int fd : asio_fds_) fd_registry::forget(fd);
   shutdown();
   if (!on_broker_thread() && thread_.joinable()) thread_.join();
   if (thread_.joinable()) thread_.detach();  // destroyed from its own thread: cannot join
@@ -265,6 +278,7 @@ void Broker::watch_child(std::shared_ptr<ChildProcess> child, std::function<void
                child->pid(), errno_text(errno));
     return;
   }
+  fd_registry::note(fd);
   try_defer([this, fd, child, on_exit = std::move(on_exit)] {
     auto watch = std::make_shared<asio::posix::stream_descriptor>(io_, fd);
     watch->async_wait(asio::posix::descriptor_base::wait_read,

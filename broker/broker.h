@@ -43,6 +43,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "broker/fd_registry.h"
+
 #include <asio/io_context.hpp>
 #include <asio/posix/stream_descriptor.hpp>
 #include <asio/steady_timer.hpp>
@@ -180,6 +182,10 @@ class Broker {
   void finish();
 
   Options opts_;
+  // Taken before io_ exists: the anonymous-inode fds Asio then makes (its
+  // epoll, eventfd, timerfd) are noted in fd_registry for forked children.
+  std::vector<int> anon_fds_before_ = fd_registry::anon_inode_fds();
+  std::vector<int> asio_fds_;
   asio::io_context io_;
   std::atomic<State> state_{State::kRunning};
   std::atomic<pid_t> tid_{0};

@@ -13,12 +13,20 @@
 #include <fmt/format.h>
 
 #include "broker/errors.h"
+#include "broker/fd_registry.h"
 #include "broker/log.h"
 
 namespace spindle {
 
+ChildProcess::ChildProcess(pid_t pid, int pidfd) : pid_(pid), pidfd_(pidfd) {
+  fd_registry::note(pidfd_);
+}
+
 ChildProcess::~ChildProcess() {
-  if (pidfd_ >= 0) ::close(pidfd_);
+  if (pidfd_ >= 0) {
+    fd_registry::forget(pidfd_);  // an anonymous inode before Linux 6.9
+    ::close(pidfd_);
+  }
 }
 
 std::optional<int> ChildProcess::reap() {

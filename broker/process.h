@@ -21,7 +21,7 @@ namespace spindle {
 
 class ChildProcess {
  public:
-  ChildProcess(pid_t pid, int pidfd) : pid_(pid), pidfd_(pidfd) {}
+  ChildProcess(pid_t pid, int pidfd);
   ~ChildProcess();
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;

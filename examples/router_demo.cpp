@@ -1,12 +1,13 @@
 // router_demo: starts the spindle-router program, connects three worker
 // processes and this one to it, and has them talk through it.
 //
-// Each worker serves UPPER (uppercases text). This process calls every
-// worker by its context id through the router, calls the router's ping
-// service, prints the router's stats (what `spindle-ctl stats` shows), then
-// stops the router with SIGTERM: the router tells its clients, the workers'
-// links end, and they exit. Exit status 0 only if every answer was right and
-// every process ended cleanly.
+// Each worker registers a name ("upper-0".."upper-2") as it connects and
+// serves the typed function `upper`. This process finds the workers by name
+// (find("upper-*")), calls each, calls the router's ping service, prints the
+// router's stats (what `spindle-ctl stats` shows), then stops the router
+// with SIGTERM: the router tells its clients, the workers' links end, their
+// serve() returns, and they exit. Exit status 0 only if every answer was
+// right and every process ended cleanly.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -28,6 +29,7 @@
 #include "router/connect.h"
 #include "services/builtin.h"
 #include "services/client.h"
+#include "spindle/spindle.h"
 
 extern char** environ;
 
@@ -36,24 +38,17 @@ namespace {
 using namespace spindle;
 using namespace std::chrono_literals;
 
-constexpr std::uint32_t kUpper = 2000;
+inline constexpr spindle::method<std::string(std::string)> upper{"upper"};
 
-// A worker process: serves UPPER until the router goes away.
-[[noreturn]] void worker(const std::string& socket, int report_fd) {
+// A worker process: serves `upper` under its name until the router goes away.
+[[noreturn]] void worker(const std::string& socket, int index) {
   try {
-    Connection conn;
-    Router& r = conn.router();
-    r.add_handler(
-        [&r](Message&& m) {
-          std::string s = m.text();
-          for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-          r.reply(m, Payload::copy_of(s));
-        },
-        {}, kUpper);
-    conn.connect(UnixAddress::parse(socket));
-    std::uint32_t id = conn.id();
-    if (::write(report_fd, &id, sizeof id) != sizeof id) ::_exit(3);
-    conn.broker().wait_for_shutdown_request();  // the router said SHUTDOWN, or went away
+    Connection conn = Connection::open(socket, {.name = fmt::format("upper-{}", index)});
+    conn.expose(upper, [](std::string s) {
+      for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      return s;
+    }, Allow::kAnyone);
+    conn.serve();  // the router said SHUTDOWN, or went away
     conn.close();  // joins the broker thread before the process ends
     ::_exit(0);
   } catch (const std::exception& e) {
@@ -89,35 +84,38 @@ int main() {
   }
   if (!up) return 1;
 
-  int report[2];
-  if (::pipe2(report, O_CLOEXEC) != 0) return 1;
   std::vector<pid_t> workers;
   for (int i = 0; i < 3; ++i) {  // forked before this process starts any thread
     pid_t p = ::fork();
-    if (p == 0) worker(socket, report[1]);
+    if (p == 0) worker(socket, i);
     workers.push_back(p);
   }
-  std::vector<std::uint32_t> ids(workers.size());
-  for (auto& id : ids)
-    if (::read(report[0], &id, sizeof id) != sizeof id) return 1;
 
   int failures = 0;
   {
-    auto me = connect(socket);
-    std::printf("this process is context %u; the workers are", me->id());
-    for (auto id : ids) std::printf(" %u", id);
-    std::printf("\n");
-    for (auto id : ids) {
-      std::string text = fmt::format("hello, context {}", id);
-      std::string back = me->context(id).call(kUpper, text, 10s);
-      std::printf("  UPPER(\"%s\") at context %u -> \"%s\"\n", text.c_str(), id, back.c_str());
-      failures += back != fmt::format("HELLO, CONTEXT {}", id);
+    Connection me = Connection::open(socket);
+    std::vector<Context> found;
+    for (int i = 0; i < 500 && found.size() < workers.size(); ++i) {
+      if (i) std::this_thread::sleep_for(10ms);
+      found = me.find("upper-*");  // the workers may still be connecting
     }
-    std::string pong = services::call_text(me->router_context(), "ping", "echo", "ping", 10s);
+    std::printf("this process is context %u; find(\"upper-*\") found", me.id());
+    for (auto& w : found) std::printf(" %s (context %u)", w.name().c_str(), w.id());
+    std::printf("\n");
+    failures += found.size() != workers.size();
+    for (auto& w : found) {
+      std::string text = fmt::format("hello, {}", w.name());
+      std::string back = w.call(upper, text);
+      std::printf("  upper(\"%s\") at %s -> \"%s\"\n", text.c_str(), w.name().c_str(), back.c_str());
+      std::string want = text;
+      for (char& c : want) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      failures += back != want;
+    }
+    std::string pong = services::call_text(me.router_context(), "ping", "echo", "ping", 10s);
     std::printf("  the router's ping service answered \"%s\"\n", pong.c_str());
     failures += pong != "ping";
     std::printf("\nthe router's stats (spindle-ctl --socket %s stats --raw):\n%s\n", socket.c_str(),
-                services::call_text(me->router_context(), "stats", "get", {}, 10s).c_str());
+                services::call_text(me.router_context(), "stats", "get", {}, 10s).c_str());
   }
 
   std::printf("stopping the router with SIGTERM\n");

@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <mutex>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +28,7 @@
 #include <fmt/format.h>
 
 #include "broker/errors.h"
+#include "broker/fd_registry.h"
 #include "broker/log.h"
 #include "router/child_internal.h"
 #include "router/log_forward.h"
@@ -174,9 +176,45 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
   return Context(parent, id, name, std::move(proc));
 }
 
-void run_forked_child(int link, std::uint32_t id, RouterOptions opts, const ChildMain& main) {
+void apply_fd_policy(const FdPolicy& fds, int link) {
+  switch (fds.kind()) {
+    case FdPolicy::Kind::kInheritAll:
+      return;
+    case FdPolicy::Kind::kCloseSpindle:
+      fd_registry::close_noted(link);
+      return;
+    case FdPolicy::Kind::kCloseAllExcept: {
+      // Close the gaps between the kept fds (ascending) and the link.
+      unsigned from = 3;
+      auto close_below = [&](int fd) {
+        if (fd < 3 || static_cast<unsigned>(fd) < from) return;
+        if (static_cast<unsigned>(fd) > from && ::close_range(from, static_cast<unsigned>(fd) - 1, 0) != 0)
+          for (unsigned f = from; f < static_cast<unsigned>(fd); ++f) ::close(static_cast<int>(f));
+        from = static_cast<unsigned>(fd) + 1;
+      };
+      bool link_done = false;
+      for (int k : fds.kept()) {
+        if (!link_done && link < k) {
+          close_below(link);
+          link_done = true;
+        }
+        close_below(k);
+      }
+      if (!link_done) close_below(link);
+      if (::close_range(from, ~0u, 0) != 0) {
+        long max = ::sysconf(_SC_OPEN_MAX);
+        for (long f = from; f < (max > 0 ? max : 65536); ++f) ::close(static_cast<int>(f));
+      }
+      fd_registry::reset_to(link);
+      return;
+    }
+  }
+}
+
+void run_forked_child(int link, std::uint32_t id, RouterOptions opts, const ChildMain& main,
+                      const FdPolicy& fds) {
   avoid_inherited_thread_stacks();
-  close_other_fds(link);
+  apply_fd_policy(fds, link);
   reset_logging_after_fork(id, opts.name);
   int rc = 1;
   try {
@@ -202,6 +240,7 @@ Context fork_child(Router& parent, ChildMain main, ChildOptions opts) {
   std::string name = child_name(id, opts);
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) throw_errno("socketpair");
+  fd_registry::note(sv[0]);
   std::fflush(nullptr);  // don't let the child flush the parent's buffered stdio twice
   pid_t pid;
   try {
@@ -221,14 +260,52 @@ Context fork_child(Router& parent, ChildMain main, ChildOptions opts) {
   if (pid == 0) {
     RouterOptions ro = opts.router;
     ro.name = name;
-    detail::run_forked_child(sv[1], id, std::move(ro), main);
+    detail::run_forked_child(sv[1], id, std::move(ro), main, opts.fds);
   }
   ::close(sv[1]);
   return adopt_child(parent, sv[0], sv[0], id, name, pid);
 }
 
+namespace {
+
+// File actions for spawn_child: each fd of `opts.pass_fds` is dup2'd onto
+// itself (which clears its CLOEXEC), and every other fd from `first` on is
+// closed: those below the highest passed one one by one (the open ones
+// without CLOEXEC: exec closes the others), the rest with closefrom.
+// Throws Error, before anything is made, for a pass_fds list that cannot be.
+void check_pass_fds(const ChildOptions& opts) {
+  const int first = opts.transport == ChildTransport::kSocketPair ? 4 : 3;
+  for (int fd : opts.pass_fds) {
+    if (fd < first)
+      throw Error(fmt::format("spawn_child: pass_fds holds {}; 0, 1 and 2 are always passed, and {} "
+                              "carries the link",
+                              fd, first - 1));
+    if (::fcntl(fd, F_GETFD) < 0) throw Error(fmt::format("spawn_child: pass_fds holds {}, which is not open", fd));
+  }
+}
+
+int add_spawn_fd_actions(posix_spawn_file_actions_t& fa, const ChildOptions& opts, int first) {
+  std::vector<int> pass = opts.pass_fds;
+  std::sort(pass.begin(), pass.end());
+  pass.erase(std::unique(pass.begin(), pass.end()), pass.end());
+  int rc = 0;
+  for (int fd : pass)
+    if (rc == 0) rc = posix_spawn_file_actions_adddup2(&fa, fd, fd);
+  const int top = pass.empty() ? first - 1 : pass.back();
+  for (int fd = first; fd < top && rc == 0; ++fd) {
+    if (std::binary_search(pass.begin(), pass.end(), fd)) continue;
+    int flags = ::fcntl(fd, F_GETFD);
+    if (flags >= 0 && !(flags & FD_CLOEXEC)) rc = posix_spawn_file_actions_addclose(&fa, fd);
+  }
+  if (rc == 0) rc = posix_spawn_file_actions_addclosefrom_np(&fa, top + 1);
+  return rc;
+}
+
+}  // namespace
+
 Context spawn_child(Router& parent, const std::string& program,
                     const std::vector<std::string>& args, ChildOptions opts) {
+  check_pass_fds(opts);
   std::uint32_t id = parent.allocate_id();
   std::string name = child_name(id, opts);
 
@@ -297,11 +374,11 @@ Context spawn_child(Router& parent, const std::string& program,
     env_strings.emplace_back("SPINDLE_FD=stdio");
   }
   env_strings.emplace_back("SPINDLE_CONTEXT_NAME=" + name);
-  // The program gets the link and stdio, nothing else of ours: an fd opened
-  // without O_CLOEXEC (ours or the application's) would otherwise stay open
-  // in it, holding a socket or a pipe end the parent means to close.
-  if (rc == 0)
-    rc = posix_spawn_file_actions_addclosefrom_np(&fa, opts.transport == ChildTransport::kSocketPair ? 4 : 3);
+  // The program gets the link, stdio and pass_fds (at their numbers),
+  // nothing else: an fd opened without O_CLOEXEC (ours or the
+  // application's) would otherwise stay open in it, holding a socket or a
+  // pipe end the parent means to close.
+  if (rc == 0) rc = add_spawn_fd_actions(fa, opts, opts.transport == ChildTransport::kSocketPair ? 4 : 3);
 
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(program.c_str()));
@@ -319,6 +396,8 @@ Context spawn_child(Router& parent, const std::string& program,
     throw std::system_error(rc, std::generic_category(), "posix_spawn " + program);
   }
   close_child_ends();
+  fd_registry::note(parent_read);
+  fd_registry::note(parent_write);
   return adopt_child(parent, parent_read, parent_write, id, name, pid);
 }
 

@@ -3,7 +3,8 @@
 // fork_child(): the parent makes a CLOEXEC socketpair and forks, with its
 // broker thread parked for the instant of the fork (so that thread holds no
 // lock the child could inherit locked). The child
-// closes every fd but its end of the pair, replaces the logger it inherited
+// closes the parent's fds as ChildOptions::fds says (by default the ones
+// Spindle opened: broker/fd_registry.h), replaces the logger it inherited
 // (whose locks another parent thread may hold), builds a fresh Broker and
 // Router, completes the handshake with its parent and runs the user's main.
 // No parent thread exists in the child, and nothing of the parent's broker is

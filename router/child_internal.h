@@ -23,10 +23,15 @@ void close_other_fds(int keep);
 Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
                     const std::string& name, pid_t pid);
 
-// A forked child's life: closes every fd but `link`, replaces the logger it
+// A forked child's life: closes the parent's fds as `fds` says, replaces the logger it
 // inherited, runs the child over `link` (run_child) and _exit()s with its
 // code. `opts.name` is the child's name.
-[[noreturn]] void run_forked_child(int link, std::uint32_t id, RouterOptions opts, const ChildMain& main);
+[[noreturn]] void run_forked_child(int link, std::uint32_t id, RouterOptions opts, const ChildMain& main,
+                                   const FdPolicy& fds);
+
+// In a forked child: closes the parent's fds as `fds` says, never `link`
+// nor stdio. Allocates nothing.
+void apply_fd_policy(const FdPolicy& fds, int link);
 
 // The child's name: opts.name, or "child-<id>".
 std::string child_name(std::uint32_t id, const ChildOptions& opts);

@@ -32,6 +32,7 @@
 #include <fmt/ranges.h>
 
 #include "broker/errors.h"
+#include "broker/fd_registry.h"
 #include "broker/log.h"
 #include "stream/listener_handshake.h"
 
@@ -76,6 +77,7 @@ int bind_socket(const UnixAddress& addr, int backlog, std::optional<std::string>
     }
   }
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  fd_registry::note(fd);
   if (fd < 0) throw Error(fmt::format("socket(AF_UNIX): {}", errno_text(errno)));
   // Linux creates the socket file with the socket inode's mode (minus the
   // umask): setting 0600 first means the file never exists with wider access.
@@ -221,6 +223,7 @@ void Listener::accept_ready() {
   if (!accepting_) return;
   for (int turn = 0; turn < kAcceptsPerTurn; ++turn) {
     int fd = ::accept4(socket_.native_handle(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    fd_registry::note(fd);
     if (fd >= 0) {
       admit(fd);
       continue;
@@ -263,6 +266,7 @@ Listener::FdShortage Listener::out_of_fds(int err) {
   if (reserve_fd_ >= 0) {
     ::close(reserve_fd_);
     int fd = ::accept4(socket_.native_handle(), nullptr, nullptr, SOCK_CLOEXEC);
+    fd_registry::note(fd);
     if (fd >= 0) {
       ::close(fd);  // the client sees EOF now instead of waiting in the backlog
       ++stats_.refused_no_fds;

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "broker/errors.h"
+#include "broker/fd_registry.h"
 
 namespace spindle {
 
@@ -95,6 +96,7 @@ int connect_unix(const UnixAddress& addr, std::chrono::milliseconds timeout) {
   sockaddr_un sa{};
   socklen_t len = addr.to_sockaddr(sa);
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  fd_registry::note(fd);
   if (fd < 0) throw Error(fmt::format("socket(AF_UNIX): {}", errno_text(errno)));
   auto fail = [&](const std::string& why) {
     ::close(fd);

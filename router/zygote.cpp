@@ -39,6 +39,7 @@
 #include <fmt/format.h>
 
 #include "broker/errors.h"
+#include "broker/fd_registry.h"
 #include "router/child_internal.h"
 #include "stream/fd_control.h"
 
@@ -157,7 +158,8 @@ void serve_request(int sock, int* tid_address, const char* data, std::size_t siz
     const auto main = reinterpret_cast<ZygoteMain>(static_cast<std::uintptr_t>(req.main));
     const std::string_view arg(data + sizeof req + req.name_size, req.arg_size);
     detail::run_forked_child(link, req.id, from_wire(req.options, std::string(data + sizeof req, req.name_size)),
-                             [main, arg](ChildEnv& env) { return main(env, arg); });
+                             [main, arg](ChildEnv& env) { return main(env, arg); },
+                             FdPolicy::close_all_except({}));
   }
   const int err = pid < 0 ? errno : 0;
   ::close(link);
@@ -232,6 +234,7 @@ std::unique_ptr<Zygote> Zygote::start() {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
     throw Error(fmt::format("Zygote::start: socketpair: {}", errno_text(errno)));
+  fd_registry::note(sv[0]);
   std::fflush(nullptr);  // the zygote's children must not flush our buffers again
   const pid_t pid = ::fork();
   if (pid < 0) {
@@ -271,6 +274,7 @@ Context Zygote::fork_child(Router& parent, ZygoteMain main, std::string_view arg
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
     throw std::system_error(errno, std::generic_category(), "socketpair");
+  fd_registry::note(sv[0]);
 
   Request req{};
   req.main = reinterpret_cast<std::uintptr_t>(main);

@@ -19,8 +19,10 @@
 
 namespace spindle::services {
 
-ServiceHost::ServiceHost(Router& router, Pool& pool) : router_(router), pool_(pool) {
+ServiceHost::ServiceHost(Router& router, Pool& pool, std::vector<std::unique_ptr<Service>> initial)
+    : router_(router), pool_(pool) {
   if (!pool_.attached_broker()) pool_.attach(router_.broker());
+  for (auto& s : initial) add(std::move(s));
   HandlerOptions anywhere;
   anywhere.any_thread = true;
   // Both sides store, then load the other's flag, all seq_cst: either the

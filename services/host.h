@@ -52,7 +52,9 @@ struct HostStats {
 
 class ServiceHost {
  public:
-  ServiceHost(Router& router, Pool& pool);
+  // `initial` services are hosted before handle 110 is registered, so no
+  // request can find the host without them.
+  ServiceHost(Router& router, Pool& pool, std::vector<std::unique_ptr<Service>> initial = {});
   ~ServiceHost();
   ServiceHost(const ServiceHost&) = delete;
   ServiceHost& operator=(const ServiceHost&) = delete;

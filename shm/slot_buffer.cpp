@@ -23,6 +23,8 @@
 // size fixed for every process that maps it, so nobody can provoke SIGBUS.
 #include "shm/slot_buffer.h"
 
+#include "broker/fd_registry.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -118,6 +120,7 @@ std::unique_ptr<SlotBuffer> SlotBuffer::create(const SlotGeometry& g) {
   if (total == 0 || total > std::numeric_limits<std::size_t>::max())
     fail(errtext::kSlotGeometryInvalid, fmt::format("slot_count={} slot_size={}", g.slot_count, g.slot_size));
   FdGuard guard{::memfd_create("spindle-slots", MFD_CLOEXEC | MFD_ALLOW_SEALING)};
+  fd_registry::note(guard.fd);
   if (guard.fd < 0) throw_errno("memfd_create");
   if (::ftruncate(guard.fd, static_cast<off_t>(total)) != 0) throw_errno("ftruncate slot buffer");
   if (::fcntl(guard.fd, F_ADD_SEALS, kRequiredSeals | F_SEAL_SEAL) != 0) throw_errno("seal slot buffer");

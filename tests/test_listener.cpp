@@ -297,3 +297,36 @@ TEST(Listener, OutOfFdsRefusesNewClientsPromptlyAndExistingOnesKeepWorking) {
 
 }  // namespace
 }  // namespace spindle
+
+namespace spindle {
+namespace {
+using namespace testutil;
+using namespace std::chrono_literals;
+
+// A Connection dropped inside one of its own handlers (on its broker thread)
+// must neither throw nor join itself: its destructor begins the shutdown and
+// another thread frees it once the broker has stopped. Under ASan this also
+// checks that nothing touches the freed Router after the handler returns.
+TEST(Listener, ConnectionDroppedInsideItsOwnHandlerGoesAwayCleanly) {
+  InProcessRouter r;
+  std::unique_ptr<Connection> a;
+  std::promise<void> dropped;
+  a = r.client([&](Router& ar) {
+    ar.add_handler([&](Message&&) {
+      a.reset();
+      dropped.set_value();
+    }, {}, kNeverReply);
+  });
+  auto b = r.client();
+  std::promise<std::string> gone;
+  const std::uint32_t a_id = a->id();
+  b->router().on_disconnect(a_id, [&](const std::string& why) { gone.set_value(why); });
+  b->context(a_id).send(kNeverReply, std::string_view("drop yourself"));
+  ASSERT_EQ(dropped.get_future().wait_for(10s), std::future_status::ready);
+  auto why = gone.get_future();
+  ASSERT_EQ(why.wait_for(10s), std::future_status::ready);
+  EXPECT_THROW(b->context(a_id).call(kEcho, "x", 5s), ChannelError);
+}
+
+}  // namespace
+}  // namespace spindle

@@ -454,6 +454,33 @@ TEST_P(RpcSpawn, ProgramInheritsNoOtherFdOfTheParent) {
   ::close(leaky[1]);
 }
 
+// pass_fds reach the program (CLOEXEC or not); other fds still do not.
+TEST_P(RpcSpawn, ProgramGetsPassFdsAndNothingElse) {
+  int leaky[2], passed[2];
+  ASSERT_EQ(::pipe(leaky), 0);
+  ASSERT_EQ(::pipe2(passed, O_CLOEXEC), 0);
+  auto identity = [](int fd) {
+    struct stat st;
+    EXPECT_EQ(::fstat(fd, &st), 0);
+    return fmt::format("{}:{}", st.st_dev, st.st_ino);
+  };
+  Broker broker;
+  Router router(broker, root_opts());
+  ChildOptions o;
+  o.transport = GetParam();
+  o.pass_fds = {passed[1]};
+  Context c = spawn_child(router, SPINDLE_HELPER_DIR "/spawned_echo", {}, o);
+  const std::string files = c.call(kSpawnedOpenFiles, std::string_view{}, 30s);
+  EXPECT_TRUE(contains(files, identity(passed[1]))) << files;
+  EXPECT_FALSE(contains(files, identity(leaky[0]))) << files;
+  c.shutdown();
+  expect_exit_code(c, 0);
+  // An fd that cannot be passed is refused before anything starts.
+  o.pass_fds = {1};
+  EXPECT_THROW(spawn_child(router, SPINDLE_HELPER_DIR "/spawned_echo", {}, o), Error);
+  for (int fd : {leaky[0], leaky[1], passed[0], passed[1]}) ::close(fd);
+}
+
 INSTANTIATE_TEST_SUITE_P(RpcSpawnTransports, RpcSpawn,
                          ::testing::Values(ChildTransport::kSocketPair, ChildTransport::kStdio),
                          [](const ::testing::TestParamInfo<ChildTransport>& i) {

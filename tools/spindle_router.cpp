@@ -29,6 +29,7 @@
 #include "broker/log.h"
 #include "router/listener.h"
 #include "services/builtin.h"
+#include "services/names.h"
 #include "services/host.h"
 #include "services/pool.h"
 #include "tools/options.h"
@@ -223,6 +224,7 @@ int run(const Config& c) {
   }
   host.add(spindle::services::make_ping_service());
   host.add(spindle::services::make_stats_service(router, listener.get()));
+  host.add(spindle::services::make_names_service(router));
   try {
     listener->start();
   } catch (const spindle::ShutdownError&) {

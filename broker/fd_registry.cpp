@@ -1,0 +1,107 @@
+// One slot per fd number: two atomics (device, inode + 1; 0 = empty). 64 Ki
+// slots take 1 MiB of zero pages, of which only the touched ones are ever
+// backed. Writers store the device first and the inode last (release), and
+// readers load the inode first (acquire), so a slot read as set carries its
+// device.
+#include "broker/fd_registry.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace spindle::fd_registry {
+namespace {
+
+struct Slot {
+  std::atomic<std::uint64_t> dev{0};
+  std::atomic<std::uint64_t> ino_plus_1{0};
+};
+Slot g_slots[kMaxTracked];
+std::atomic<int> g_max{-1};
+
+bool identity(int fd, std::uint64_t& dev, std::uint64_t& ino) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return false;
+  dev = static_cast<std::uint64_t>(st.st_dev);
+  ino = static_cast<std::uint64_t>(st.st_ino);
+  return true;
+}
+
+}  // namespace
+
+void note(int fd) {
+  if (fd < 0 || fd >= kMaxTracked) return;
+  std::uint64_t dev, ino;
+  if (!identity(fd, dev, ino)) return;
+  g_slots[fd].dev.store(dev, std::memory_order_relaxed);
+  g_slots[fd].ino_plus_1.store(ino + 1, std::memory_order_release);
+  int m = g_max.load(std::memory_order_relaxed);
+  while (fd > m && !g_max.compare_exchange_weak(m, fd, std::memory_order_relaxed)) {
+  }
+}
+
+void forget(int fd) {
+  if (fd < 0 || fd >= kMaxTracked) return;
+  g_slots[fd].ino_plus_1.store(0, std::memory_order_release);
+}
+
+bool is_noted(int fd) {
+  if (fd < 0 || fd >= kMaxTracked) return false;
+  std::uint64_t want = g_slots[fd].ino_plus_1.load(std::memory_order_acquire);
+  if (want == 0) return false;
+  std::uint64_t dev, ino;
+  return identity(fd, dev, ino) && ino + 1 == want &&
+         dev == g_slots[fd].dev.load(std::memory_order_relaxed);
+}
+
+std::vector<int> anon_inode_fds() {
+  std::vector<int> out;
+  DIR* d = ::opendir("/proc/self/fd");
+  if (!d) return out;  // no /proc: Asio's fds stay in children (fork_child documents it)
+  const int own = ::dirfd(d);
+  while (struct dirent* e = ::readdir(d)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    int fd = std::atoi(e->d_name);
+    if (fd == own) continue;
+    char target[64];
+    std::string path = std::string("/proc/self/fd/") + e->d_name;
+    ssize_t n = ::readlink(path.c_str(), target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    if (std::strncmp(target, "anon_inode:", 11) == 0) out.push_back(fd);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void reset_to(int keep) {
+  const int max = g_max.load(std::memory_order_relaxed);
+  for (int fd = 0; fd <= max; ++fd) g_slots[fd].ino_plus_1.store(0, std::memory_order_relaxed);
+  g_max.store(-1, std::memory_order_relaxed);
+  note(keep);
+}
+
+std::size_t close_noted(int keep) {
+  std::size_t closed = 0;
+  const int max = g_max.load(std::memory_order_relaxed);
+  for (int fd = 3; fd <= max; ++fd) {
+    if (fd != keep && is_noted(fd)) {
+      ::close(fd);  // a failure leaves nothing to do
+      ++closed;
+    }
+    g_slots[fd].ino_plus_1.store(0, std::memory_order_relaxed);
+  }
+  g_max.store(-1, std::memory_order_relaxed);
+  note(keep);  // the child's own link
+  return closed;
+}
+
+}  // namespace spindle::fd_registry

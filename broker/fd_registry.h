@@ -1,0 +1,51 @@
+// FdRegistry: which of this process's fds Spindle opened, so that a forked
+// child can close exactly those and keep the application's.
+//
+// A forked child inherits every fd of its parent. The parent's Spindle fds
+// (its links to other contexts, its listener, its broker's epoll, eventfd
+// and timerfd, pidfds, memfds, fds in flight) must not live on in the
+// child: a sibling's link held open there would hide the sibling's EOF. The
+// application's fds must: its code in the child may hold their numbers.
+// Closing everything, as fork_child once did, broke the second rule (the
+// child's next open() took a number an inherited object still held).
+//
+// An entry is an fd number with the identity (st_dev, st_ino) it had when
+// noted. The child closes an fd only if it still has that identity: a number
+// Spindle closed and the application reused is not touched, and nothing has
+// to be forgotten on close. The exception is anonymous inodes (eventfd,
+// epoll, timerfd), which all share one inode: those are forgotten before
+// they are closed (forget()). Fds at or above kMaxTracked are not noted
+// (the child keeps them), nor is anything when fstat fails.
+//
+// Thread safety: note() and forget() from any thread (atomics, no lock);
+// close_noted() only in a forked child's one thread, where no lock a vanished
+// thread held could block it: it reads the table without locking.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+namespace spindle::fd_registry {
+
+inline constexpr int kMaxTracked = 1 << 16;
+
+// After Spindle opened `fd` (any thread).
+void note(int fd);
+// Before Spindle closes an anonymous-inode fd it noted.
+void forget(int fd);
+// Whether `fd` is noted and still has the identity it was noted with.
+bool is_noted(int fd);
+// The open fds whose target is an anonymous inode ("anon_inode:[eventfd]"
+// and the like), ascending: a Broker compares the lists before and after
+// Asio made its epoll, eventfd and timerfd, which it cannot see otherwise.
+std::vector<int> anon_inode_fds();
+
+// In a forked child: closes every noted fd (but `keep`) that still has its
+// noted identity, then empties the table (the child's own Spindle notes its
+// fds afresh). Returns how many it closed.
+std::size_t close_noted(int keep);
+// In a forked child that closed fds by another rule: empties the table but
+// for `keep`.
+void reset_to(int keep);
+
+}  // namespace spindle::fd_registry

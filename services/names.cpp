@@ -1,0 +1,88 @@
+// One table, name -> id and id -> name, under a mutex. A registration adds
+// a disconnect watcher for its context, which erases the entry if it still
+// belongs to that context (a name can be taken again only once its holder
+// has gone, so the check is by id).
+#include "services/names.h"
+
+#include <fnmatch.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "broker/errors.h"
+#include "spindle/codec.h"
+
+namespace spindle::services {
+namespace {
+
+struct Table {
+  std::mutex mu;
+  std::map<std::string, std::uint32_t, std::less<>> by_name;
+  std::map<std::uint32_t, std::string> by_id;
+};
+
+bool valid_name(std::string_view n) {
+  if (n.empty() || n.size() > kMaxNameSize) return false;
+  for (char c : n)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) return false;
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<Service> make_names_service(Router& router) {
+  auto table = std::make_shared<Table>();
+  auto s = std::make_unique<Service>(kNamesService, RunMode::kConcurrent);
+  s->expose(
+      "register", Access::any(),
+      [table, &router](Request& r) {
+        auto [name] = detail::decode_args<std::string>(r.args());
+        if (!valid_name(name))
+          throw Error(fmt::format("names.register: a name is 1 to {} bytes of A-Z a-z 0-9 . _ -", kMaxNameSize));
+        const std::uint32_t who = r.caller().auth_id;
+        {
+          std::lock_guard lk(table->mu);
+          if (auto it = table->by_id.find(who); it != table->by_id.end())
+            throw Error(fmt::format("names.register: context {} is already named {}", who, it->second));
+          if (auto it = table->by_name.find(name); it != table->by_name.end())
+            throw Error(fmt::format("names.register: {} is taken by context {}", name, it->second));
+          table->by_name.emplace(name, who);
+          table->by_id.emplace(who, name);
+        }
+        std::weak_ptr<Table> weak = table;
+        router.on_disconnect(who, [weak, who](const std::string&) {
+          auto t = weak.lock();
+          if (!t) return;
+          std::lock_guard lk(t->mu);
+          auto it = t->by_id.find(who);
+          if (it == t->by_id.end()) return;
+          t->by_name.erase(it->second);
+          t->by_id.erase(it);
+        });
+        return detail::encode_void();
+      },
+      Encoding::kMsgpack);
+  s->expose(
+      "find", Access::any(),
+      [table](Request& r) {
+        auto [pattern] = detail::decode_args<std::string>(r.args());
+        if (pattern.empty() || pattern.size() > kMaxNameSize)
+          throw Error(fmt::format("names.find: a pattern is 1 to {} bytes", kMaxNameSize));
+        std::vector<std::tuple<std::uint32_t, std::string>> found;
+        std::lock_guard lk(table->mu);
+        for (auto& [name, id] : table->by_name) {
+          if (found.size() == kMaxFound) break;
+          if (::fnmatch(pattern.c_str(), name.c_str(), 0) == 0) found.emplace_back(id, name);
+        }
+        return detail::encode_value(found);
+      },
+      Encoding::kMsgpack);
+  return s;
+}
+
+}  // namespace spindle::services

@@ -1,0 +1,90 @@
+// Finding peers by name through a real spindle-router: clients register
+// names as they connect (Connection::open), others find them with a glob and
+// call their typed functions; names are unique, validated, and go with their
+// client.
+#include <algorithm>
+#include <cctype>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <spindle/connection.h>
+#include <spindle/spindle.h>
+
+#include "tests/router_fixture.h"
+
+namespace spindle {
+namespace {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+inline constexpr method<std::string(std::string)> upper{"upper"};
+
+// A worker: a client named `name` serving `upper` on a thread of its own.
+struct Worker {
+  Worker(const std::string& socket, const std::string& name)
+      : conn(Connection::open(socket, {.name = name})) {
+    conn.expose(upper, [name](std::string s) {
+      std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::toupper(c); });
+      return name + ":" + s;
+    }, Allow::kAnyone);
+    thread = std::thread([this] { conn.serve(); });
+  }
+  ~Worker() {
+    conn.close();
+    thread.join();
+  }
+  Connection conn;
+  std::thread thread;
+};
+
+class Names : public RouterFixture {
+ protected:
+  void SetUp() override { start(); }
+};
+
+TEST_F(Names, ClientsFindWorkersByNameAndCallThem) {
+  Worker a(socket(), "upper-1"), b(socket(), "upper-2"), other(socket(), "lower-1");
+  Connection client = Connection::open(socket());
+  std::vector<Context> found = client.find("upper-*");
+  ASSERT_EQ(found.size(), 2u);
+  EXPECT_EQ(found[0].name(), "upper-1");
+  EXPECT_EQ(found[0].id(), a.conn.id());
+  EXPECT_EQ(found[1].name(), "upper-2");
+  EXPECT_EQ(found[0].call(upper, "hi"), "upper-1:HI");
+  EXPECT_EQ(found[1].call(upper, "yo"), "upper-2:YO");
+  EXPECT_EQ(client.async_find("lower-?").get().size(), 1u);
+  EXPECT_TRUE(client.find("nobody*").empty());
+}
+
+TEST_F(Names, NamesAreUniqueAndValidated) {
+  Worker a(socket(), "solo");
+  try {
+    Connection::open(socket(), {.name = "solo"});
+    ADD_FAILURE() << "a second client took a living client's name";
+  } catch (const CallError& e) {
+    EXPECT_NE(std::string(e.what()).find("solo is taken"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Connection::open(socket(), {.name = "bad name\n"}), CallError);
+  EXPECT_THROW(Connection::open(socket(), {.name = std::string(65, 'x')}), CallError);
+  Connection c = Connection::open(socket(), {.name = "first"});
+  EXPECT_THROW(c.register_name("second"), CallError);
+  EXPECT_EQ(c.find("first").size(), 1u);
+}
+
+TEST_F(Names, ANameGoesWithItsClient) {
+  Connection client = Connection::open(socket());
+  {
+    Worker w(socket(), "short-lived");
+    EXPECT_EQ(client.find("short-lived").size(), 1u);
+  }
+  EXPECT_TRUE(eventually([&] { return client.find("short-lived").empty(); }, 10s));
+  Worker again(socket(), "short-lived");  // the name is free again
+  EXPECT_EQ(client.find("short-lived").at(0).call(upper, "x"), "short-lived:X");
+}
+
+}  // namespace
+}  // namespace spindle
