@@ -68,8 +68,11 @@ class ChildEnv {
                   "spindle::ChildEnv::expose: the function cannot be called with the method's "
                   "argument types, or does not return its result type");
     auto f = std::make_shared<F>(std::move(fn));
-    expose_encoded(m.name(), allow, [f](const Payload& bytes) -> Payload {
-      auto args = detail::decode_args<A...>(bytes);
+    expose_encoded(m.name(), allow, [f, r = &router_](const Payload& bytes) -> Payload {
+      auto args = [&] {
+        detail::DecodingScope scope(*r);  // for Senders among the arguments
+        return detail::decode_args<A...>(bytes);
+      }();
       if constexpr (std::is_void_v<R>) {
         std::apply(*f, std::move(args));
         return detail::encode_void();

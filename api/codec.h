@@ -48,7 +48,24 @@ struct codec {
   static T decode(const msgpack::object& o) { return o.template as<T>(); }
 };
 
+class Router;
+
 namespace detail {
+
+// The router that decodes Senders on this thread (set while a typed call's
+// arguments or result are decoded).
+class DecodingScope {
+ public:
+  explicit DecodingScope(Router& r);
+  ~DecodingScope();
+  DecodingScope(const DecodingScope&) = delete;
+  DecodingScope& operator=(const DecodingScope&) = delete;
+  static Router* current();
+
+ private:
+  Router* outer_;
+};
+
 
 // Takes the buffer's bytes as a Payload without copying them.
 Payload payload_of(msgpack::sbuffer&& buf);

@@ -73,7 +73,10 @@ class Context {
   template <class R, class... A, class... Args>
   R call(const method<R(A...)>& m, Args&&... args) const {
     Payload result = call_named(m.name(), detail::encode_args<A...>(std::forward<Args>(args)...));
-    if constexpr (!std::is_void_v<R>) return detail::decode_value<R>(result);
+    if constexpr (!std::is_void_v<R>) {
+      detail::DecodingScope scope(router());
+      return detail::decode_value<R>(result);
+    }
   }
   template <class R, class... A, class... Args>
   std::future<R> call_async(const method<R(A...)>& m, Args&&... args) const {
@@ -83,7 +86,10 @@ class Context {
   template <class R, class... Args>
   R call(std::string_view name, Args&&... args) const {
     Payload result = call_named(name, detail::encode_args<std::decay_t<Args>...>(std::forward<Args>(args)...));
-    if constexpr (!std::is_void_v<R>) return detail::decode_value<R>(result);
+    if constexpr (!std::is_void_v<R>) {
+      detail::DecodingScope scope(router());
+      return detail::decode_value<R>(result);
+    }
   }
   // With an Asio completion token; defined in <spindle/asio.h>. The last
   // argument is the token, the others the method's arguments.
@@ -123,9 +129,11 @@ class Context {
   std::future<R> future_of(std::string_view name, Payload args) const {
     auto promise = std::make_shared<std::promise<R>>();
     std::future<R> f = promise->get_future();
-    start_call(name, std::move(args), [promise](std::exception_ptr error, Payload result) {
+    Router* r = &router();  // alive while the completion can run
+    start_call(name, std::move(args), [promise, r](std::exception_ptr error, Payload result) {
       if (error) return promise->set_exception(error);
       try {
+        detail::DecodingScope scope(*r);
         if constexpr (std::is_void_v<R>) promise->set_value();
         else promise->set_value(detail::decode_value<R>(result));
       } catch (...) {

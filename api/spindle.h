@@ -5,8 +5,10 @@
 // Start at docs/GUIDE.md.
 #pragma once
 
+#include <spindle/channel.h>
 #include <spindle/child.h>
 #include <spindle/codec.h>
+#include <spindle/connection.h>
 #include <spindle/context.h>
 #include <spindle/errors.h>
 #include <spindle/message.h>

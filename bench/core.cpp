@@ -40,9 +40,11 @@
 #include <future>
 #include <memory>
 #include <optional>
+#include <semaphore>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -436,6 +438,32 @@ RttRun typed_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
   return run;
 }
 
+// The round trip of one hand-off each way between two threads of this
+// process on semaphores: what a typed call adds at least, since its function
+// runs on the child's serving thread and not on its broker thread.
+double semaphore_rtt_us(const Config& cfg, int cpu) {
+  pin_this_thread(cpu);
+  std::binary_semaphore ping{0}, pong{0};
+  const int n = cfg.rtt_warmup + cfg.rtt_iters;
+  std::thread t([&] {
+    for (int i = 0; i < n; ++i) {
+      ping.acquire();
+      pong.release();
+    }
+  });
+  std::vector<double> us;
+  us.reserve(static_cast<std::size_t>(cfg.rtt_iters));
+  for (int i = 0; i < n; ++i) {
+    auto t0 = Clock::now();
+    ping.release();
+    pong.acquire();
+    if (i >= cfg.rtt_warmup) us.push_back(usecs(Clock::now() - t0));
+  }
+  t.join();
+  restore_affinity();
+  return summarize(us).median;
+}
+
 RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
   pin_this_thread(parent_cpu);
   RttRun run;
@@ -532,6 +560,9 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
     // main thread, not its broker's: one thread hand-off more.
     RttRun ty = typed_rtt(cfg, k.parent, k.child);
     Stats t = summarize(ty.us);
+    const double hop = semaphore_rtt_us(cfg, k.child >= 0 ? k.child : k.parent);
+    add_row(fmt::format("  thread hand-off there and back ({})", k.label), "", fmt::format("{:.1f} us", hop), "");
+    g_report.add("thread_handoff_rtt_" + row_word(k.label), hop, "us");
     add_row(fmt::format("rtt 64 B {}, typed call, median", k.label), fmt::format("{:.1f} us", t.median),
             fmt::format("{:.1f} us (raw call)", s.median), fmt::format("+{:.1f} us", t.median - s.median),
             "<= +1 us", t.median - s.median <= 1.0);

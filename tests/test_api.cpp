@@ -49,6 +49,7 @@ inline constexpr spindle::method<void(long)> nap{"nap"};
 inline constexpr spindle::method<long(std::string)> fail{"fail"};
 inline constexpr spindle::method<long(std::uint32_t)> ask_sibling{"ask_sibling"};
 inline constexpr spindle::method<long(long)> open_square{"open.square"};
+inline constexpr spindle::method<void(spindle::Sender<long>, long)> count_to{"count_to"};
 
 int child_main(spindle::ChildEnv& env) {
   long calls = 0;
@@ -59,6 +60,9 @@ int child_main(spindle::ChildEnv& env) {
   env.expose(nap, [](long ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
   env.expose(fail, [](std::string why) -> long { throw std::invalid_argument(why); });
   env.expose(open_square, [](long n) { return n * n; }, spindle::Allow::kAnyone);
+  env.expose(count_to, [](spindle::Sender<long> to, long n) {
+    for (long i = 1; i <= n; ++i) to.send(i);
+  });
   env.expose(ask_sibling, [&env](std::uint32_t sibling) {
     spindle::Context s(env.router(), sibling, "sibling");
     long open = s.call(open_square, 3L);
@@ -187,6 +191,43 @@ TEST_F(Api, ContextUsedAfterItsRuntimeIsGoneThrowsShutdownError) {
   for (int i = 0; i < 500 && !seen; ++i) std::this_thread::sleep_for(10ms);
   ASSERT_TRUE(seen);
   EXPECT_THROW(std::rethrow_exception(seen), spindle::ShutdownError);
+}
+
+TEST_F(Api, ASenderTravelsAsAnArgumentAndItsReceiverGetsValuesInOrder) {
+  spindle::Receiver<long> rx(rt);
+  child.call(count_to, rx.sender(), 5L);
+  for (long i = 1; i <= 5; ++i) EXPECT_EQ(rx.receive(), i);
+  EXPECT_EQ(rx.receive_for(20ms), std::nullopt);
+  // Two receivers never mix: each has its own handle.
+  spindle::Receiver<long> other(rt);
+  child.call_async(count_to, other.sender(), 2L).get();
+  EXPECT_EQ(other.receive(), 1);
+  EXPECT_EQ(rx.receive_for(20ms), std::nullopt);
+}
+
+TEST(ApiChannel, AReceiverWhoseRuntimeIsGoneThrowsShutdownError) {
+  std::unique_ptr<spindle::Receiver<long>> rx;
+  std::thread waiter;
+  std::exception_ptr seen;
+  {
+    spindle::Runtime rt;
+    rx = std::make_unique<spindle::Receiver<long>>(rt);
+    rx->sender().send(7);
+    EXPECT_EQ(rx->receive(), 7);
+    waiter = std::thread([&] {
+      try {
+        rx->receive();
+      } catch (...) {
+        seen = std::current_exception();
+      }
+    });
+    std::this_thread::sleep_for(20ms);
+  }  // the runtime goes while the waiter waits
+  waiter.join();
+  ASSERT_TRUE(seen);
+  EXPECT_THROW(std::rethrow_exception(seen), spindle::ShutdownError);
+  EXPECT_THROW(rx->receive(), spindle::ShutdownError);
+  rx.reset();  // gives its handle back to a router that is gone: no crash
 }
 
 TEST(ApiChild, StopEndsAServingChildGracefully) {

@@ -1,0 +1,116 @@
+// Sender<T> and Receiver<T>: streams of typed messages, without handle
+// numbers picked by hand.
+//
+//   spindle::Receiver<long> rx(rt);              // or a ChildEnv, a Connection
+//   child.call(count_to, rx.sender(), 5L);       // a Sender travels as an argument
+//   long first = rx.receive();                   // blocks; in arrival order
+//
+// A Receiver registers a fresh handle on its context's router; its Sender
+// names (context, handle) and encodes each value with msgpack (codec.h).
+// What waits in a Receiver stays charged to the peer that sent it (its
+// bytes sit in that peer's receive chunks, PROTOCOL.md section 14), so a
+// receiver that does not keep up slows its senders instead of growing.
+// A Sender is encoded as [context id, handle]; decoded inside an exposed
+// function's arguments or a call's result, it sends through the runtime
+// that decoded it.
+//
+// Thread safety: send() from any thread; receive() from any thread (each
+// value goes to one receiver). Ownership: a Receiver owns its handle and
+// gives it back when destroyed (later messages to it: "invalid handle"); it
+// refers to its router through the router's link, so a Receiver that
+// outlives its runtime throws ShutdownError.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include <spindle/codec.h>
+#include <spindle/context.h>
+#include <spindle/errors.h>
+#include <spindle/payload.h>
+
+namespace spindle {
+
+namespace detail {
+
+class ReceiverCore {
+ public:
+  explicit ReceiverCore(Router& router);
+  ~ReceiverCore();
+  ReceiverCore(const ReceiverCore&) = delete;
+  ReceiverCore& operator=(const ReceiverCore&) = delete;
+
+  // This context, and the handle values arrive on.
+  Context self() const { return self_; }
+  std::uint32_t handle() const { return handle_; }
+  // Blocks for the next payload; ShutdownError once the runtime is gone.
+  Payload receive();
+  std::optional<Payload> receive_for(std::chrono::milliseconds timeout);
+
+ private:
+  struct State;
+  std::shared_ptr<State> st_;
+  Context self_;
+  std::uint32_t handle_ = 0;
+};
+
+}  // namespace detail
+
+template <class T>
+class Sender {
+ public:
+  Sender() = default;
+  Sender(Context to, std::uint32_t handle) : to_(std::move(to)), handle_(handle) {}
+  void send(const T& value) const { to_.send(handle_, detail::encode_value(value)); }
+  const Context& context() const { return to_; }
+  std::uint32_t handle() const { return handle_; }
+
+ private:
+  Context to_;
+  std::uint32_t handle_ = 0;
+};
+
+template <class T>
+class Receiver {
+ public:
+  // `host` is what owns the router: a Runtime, a ChildEnv or a Connection.
+  template <class Host>
+  explicit Receiver(Host& host) : core_(std::make_unique<detail::ReceiverCore>(host.router())) {}
+
+  T receive() { return decode(core_->receive()); }
+  std::optional<T> receive_for(std::chrono::milliseconds timeout) {
+    if (auto p = core_->receive_for(timeout)) return decode(*p);
+    return std::nullopt;
+  }
+  Sender<T> sender() const { return Sender<T>(core_->self(), core_->handle()); }
+
+ private:
+  T decode(const Payload& p) {
+    detail::DecodingScope scope(core_->self().router());
+    return detail::decode_value<T>(p);
+  }
+  std::unique_ptr<detail::ReceiverCore> core_;
+};
+
+// A Sender travels as [context id, handle].
+template <class T>
+struct codec<Sender<T>> {
+  static void encode(Packer& p, const Sender<T>& s) {
+    p.pack_array(2);
+    p.pack(s.context().id());
+    p.pack(s.handle());
+  }
+  static Sender<T> decode(const msgpack::object& o) {
+    Router* r = detail::DecodingScope::current();
+    if (!r) throw DecodeError("a Sender decodes only inside a Spindle call or receive");
+    if (o.type != msgpack::type::ARRAY || o.via.array.size != 2)
+      throw DecodeError("a Sender is [context id, handle]");
+    return Sender<T>(Context(*r, o.via.array.ptr[0].as<std::uint32_t>(), "sender"),
+                     o.via.array.ptr[1].as<std::uint32_t>());
+  }
+};
+
+}  // namespace spindle
