@@ -125,26 +125,24 @@ bool Router::del_handler(std::uint32_t handle) {
 }
 
 void Router::on_disconnect(std::uint32_t context_id, std::function<void(const std::string&)> fn) {
-  {
-    std::lock_guard lk(disconnect_mu_);
-    disconnect_watchers_[context_id].push_back(std::move(fn));
-  }
-  // A context that has already gone will not go again: at the root, where
-  // every living context has a route, a watcher for one without fires at
-  // once, instead of waiting forever (and holding its captures) for an
-  // event that has passed. Elsewhere an unknown id may live above the parent.
-  broker_.try_defer([this, context_id] {
-    if (parent_ || routes_.count(context_id) || context_id == id()) return;
-    std::vector<std::function<void(const std::string&)>> watchers;
-    {
-      std::lock_guard lk(disconnect_mu_);
-      auto it = disconnect_watchers_.find(context_id);
-      if (it == disconnect_watchers_.end()) return;
-      watchers = std::move(it->second);
-      disconnect_watchers_.erase(it);
-    }
-    for (auto& w : watchers) w(std::string(reason::kNoRoute));
-  });
+  std::lock_guard lk(disconnect_mu_);
+  disconnect_watchers_[context_id].push_back(std::move(fn));
+}
+
+bool Router::watch_if_routed(std::uint32_t context_id, std::function<void(const std::string&)> fn) {
+  // On the broker thread, where links come and go, "routed now" and "the
+  // watcher is in place" are one step: a context cannot leave in between
+  // and leave the watcher waiting forever.
+  auto watch = [&] {
+    if (!routes_.count(context_id)) return false;
+    on_disconnect(context_id, std::move(fn));
+    return true;
+  };
+  if (broker_.on_broker_thread()) return watch();
+  std::promise<bool> done;
+  auto f = done.get_future();
+  if (!broker_.try_defer([&] { done.set_value(watch()); })) return false;
+  return f.get();
 }
 
 std::uint32_t Router::allocate_id() {

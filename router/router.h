@@ -162,6 +162,10 @@ class Router : public StreamListener, public ShutdownParticipant {
   void reply(const Message& request, Payload data, std::uint16_t enc = kEncRaw);
   // Calls fn(reason) once when `context_id` disconnects (or is unreachable).
   void on_disconnect(std::uint32_t context_id, std::function<void(const std::string&)> fn);
+  // on_disconnect(), if `context_id` has a route here now; false, and fn
+  // dropped, if it has none (it left, or lives above this router's parent).
+  // Blocks for a broker round trip when called on another thread.
+  bool watch_if_routed(std::uint32_t context_id, std::function<void(const std::string&)> fn);
   std::uint32_t allocate_id();
   RouterStats stats();
   // While held, a message for a handle nobody registered yet waits (up to

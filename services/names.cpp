@@ -1,7 +1,7 @@
 // One table, name -> id and id -> name, under a mutex. A registration adds
-// a disconnect watcher for its context, which erases the entry if it still
-// belongs to that context (a name can be taken again only once its holder
-// has gone, so the check is by id).
+// a disconnect watcher for its context (only if it is still routed: one
+// that left meanwhile would never fire it), which erases the entry (a name
+// can be taken again only once its holder has gone, so the check is by id).
 #include "services/names.h"
 
 #include <fnmatch.h>
@@ -55,7 +55,7 @@ std::unique_ptr<Service> make_names_service(Router& router) {
           table->by_id.emplace(who, name);
         }
         std::weak_ptr<Table> weak = table;
-        router.on_disconnect(who, [weak, who](const std::string&) {
+        auto erase = [weak, who](const std::string&) {
           auto t = weak.lock();
           if (!t) return;
           std::lock_guard lk(t->mu);
@@ -63,7 +63,12 @@ std::unique_ptr<Service> make_names_service(Router& router) {
           if (it == t->by_id.end()) return;
           t->by_name.erase(it->second);
           t->by_id.erase(it);
-        });
+        };
+        // A caller that left while this ran would keep its name forever.
+        if (!router.watch_if_routed(who, erase)) {
+          erase({});
+          throw Error(fmt::format("names.register: context {} is not connected", who));
+        }
         return detail::encode_void();
       },
       Encoding::kMsgpack);
