@@ -356,7 +356,10 @@ enum FdCheck {
   kProcUnreadable = 14,
 };
 
-TEST(RpcFork, ForkedChildDoesNotInheritParentFds) {
+// FdPolicy::close_all_except({}): the child holds its link, stdio and what
+// its own broker opens, nothing of the parent's. (The default policy keeps
+// the application's fds: tests/test_fd_policy.cpp.)
+TEST(RpcFork, ForkedChildUnderCloseAllInheritsNoParentFd) {
   // Opened without O_CLOEXEC, and moved high so the child's own broker cannot
   // reuse the number.
   int devnull = ::open("/dev/null", O_RDONLY);
@@ -403,7 +406,11 @@ TEST(RpcFork, ForkedChildDoesNotInheritParentFds) {
       rc = kSocketCount;
     }
     return rc;
-  }, named("fd-check"));
+  }, [] {
+    ChildOptions o = named("fd-check");
+    o.fds = FdPolicy::close_all_except({});
+    return o;
+  }());
   auto st = c.wait_exit(10s);
   ::close(leaked);
   ASSERT_TRUE(st.has_value());
