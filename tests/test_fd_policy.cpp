@@ -140,7 +140,9 @@ TEST(FdRegistry, ANumberReusedByTheApplicationIsNotClosed) {
   ::close(fd);
   int again = ::open("/proc/self/stat", O_RDONLY | O_CLOEXEC);  // likely the same number
   ASSERT_GE(again, 0);
-  if (again == fd) EXPECT_FALSE(spindle::fd_registry::is_noted(again)) << "another file at a noted number";
+  if (again == fd) {
+    EXPECT_FALSE(spindle::fd_registry::is_noted(again)) << "another file at a noted number";
+  }
   ::close(again);
   spindle::fd_registry::forget(fd);
 }
