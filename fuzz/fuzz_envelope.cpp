@@ -2,9 +2,9 @@
 // bytes split into arbitrary slices, the way a payload spans receive chunks.
 //
 // Checks: the verdict and every decoded field are the same however the bytes
-// are sliced; an accepted envelope has version 1, names of 1..255 bytes
-// without NUL, and re-encodes to exactly the input bytes; a rejected one
-// carries a reason.
+// are sliced; an accepted envelope has version 1, only defined flags (the
+// msgpack bit), names of 1..255 bytes without NUL, and re-encodes to
+// exactly the input bytes; a rejected one carries a reason.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -59,11 +59,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (!whole.ok()) return 0;
   const Envelope& a = whole.envelope;
   const Envelope& b = split.envelope;
-  if (a.service != b.service || a.method != b.method || a.args.to_string() != b.args.to_string())
+  if (a.service != b.service || a.method != b.method || a.flags != b.flags ||
+      a.args.to_string() != b.args.to_string())
     fail("decoded fields depend on the slicing");
+  if ((a.flags & ~kEnvelopeMsgpack) != 0) fail("accepted an undefined flag");
   if (!valid_name(a.service) || !valid_name(a.method)) fail("accepted a malformed name");
   if (static_cast<std::uint8_t>(bytes[0]) != kEnvelopeVersion) fail("accepted another version");
-  if (encode_call(a.service, a.method, b.args).to_string() != bytes)
+  if (encode_call(a.service, a.method, b.args, a.flags).to_string() != bytes)
     fail("an accepted envelope does not re-encode to its bytes");
   return 0;
 }
