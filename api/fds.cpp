@@ -14,7 +14,7 @@
 
 namespace spindle {
 
-UniqueFd::UniqueFd(int fd) : fd_(fd) { fd_registry::note(fd); }
+UniqueFd::UniqueFd(int fd) : fd_(fd) { fd_registry::note_owned(fd); }
 
 int UniqueFd::release() {
   fd_registry::forget(fd_);
@@ -27,7 +27,7 @@ void UniqueFd::reset(int fd) {
     ::close(fd_);
   }
   fd_ = fd;
-  fd_registry::note(fd);
+  fd_registry::note_owned(fd);
 }
 
 UniqueFd dup_fd(int fd) {

@@ -24,7 +24,15 @@ struct Slot {
   std::atomic<std::uint64_t> ino_plus_1{0};
 };
 Slot g_slots[kMaxTracked];
+// ino_plus_1 of an fd noted by note_owned(): trusted without fstat.
+constexpr std::uint64_t kOwned = ~std::uint64_t{0};
 std::atomic<int> g_max{-1};
+
+void raise_max(int fd) {
+  int m = g_max.load(std::memory_order_relaxed);
+  while (fd > m && !g_max.compare_exchange_weak(m, fd, std::memory_order_relaxed)) {
+  }
+}
 
 bool identity(int fd, std::uint64_t& dev, std::uint64_t& ino) {
   struct stat st;
@@ -42,9 +50,13 @@ void note(int fd) {
   if (!identity(fd, dev, ino)) return;
   g_slots[fd].dev.store(dev, std::memory_order_relaxed);
   g_slots[fd].ino_plus_1.store(ino + 1, std::memory_order_release);
-  int m = g_max.load(std::memory_order_relaxed);
-  while (fd > m && !g_max.compare_exchange_weak(m, fd, std::memory_order_relaxed)) {
-  }
+  raise_max(fd);
+}
+
+void note_owned(int fd) {
+  if (fd < 0 || fd >= kMaxTracked) return;
+  g_slots[fd].ino_plus_1.store(kOwned, std::memory_order_release);
+  raise_max(fd);
 }
 
 void forget(int fd) {
@@ -56,6 +68,7 @@ bool is_noted(int fd) {
   if (fd < 0 || fd >= kMaxTracked) return false;
   std::uint64_t want = g_slots[fd].ino_plus_1.load(std::memory_order_acquire);
   if (want == 0) return false;
+  if (want == kOwned) return true;
   std::uint64_t dev, ino;
   return identity(fd, dev, ino) && ino + 1 == want &&
          dev == g_slots[fd].dev.load(std::memory_order_relaxed);

@@ -31,6 +31,9 @@ inline constexpr int kMaxTracked = 1 << 16;
 
 // After Spindle opened `fd` (any thread).
 void note(int fd);
+// The same for an fd whose every close goes through forget() (a UniqueFd):
+// no identity is needed, so no fstat (the fd-passing path makes two per fd).
+void note_owned(int fd);
 // Before Spindle closes an anonymous-inode fd it noted.
 void forget(int fd);
 // Whether `fd` is noted and still has the identity it was noted with.
