@@ -14,7 +14,9 @@
 // Spindle closed and the application reused is not touched, and nothing has
 // to be forgotten on close. The exception is anonymous inodes (eventfd,
 // epoll, timerfd), which all share one inode: those are forgotten before
-// they are closed (forget()). Fds at or above kMaxTracked are not noted
+// they are closed (forget()). So is every fd a UniqueFd owns (its close
+// forgets it): those are noted without an identity (note_owned), which
+// keeps an fstat off the fd-passing path. Fds at or above kMaxTracked are not noted
 // (the child keeps them), nor is anything when fstat fails.
 //
 // Thread safety: note() and forget() from any thread (atomics, no lock);
