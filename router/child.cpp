@@ -55,6 +55,9 @@ int run_child(int read_fd, int write_fd, RouterOptions opts, const ChildMain& ma
       router.attach_parent(read_fd, write_fd);
     } catch (const std::exception& e) {
       log().error("child cannot start: {}", e.what());
+      // No main will declare ready(): the router must not wait out the
+      // shutdown grace for it before this process can exit.
+      router.hold_unknown_handles(false);
       return 1;
     }
     set_log_sinks({std::make_shared<ForwardLogSink>(router)});
