@@ -17,18 +17,33 @@
 //    a std::system_error. The request already sent still runs remotely; its
 //    reply is dropped when it comes.
 //
+// Connection::async_find(pattern, token) works the same way, with the
+// signature void(std::exception_ptr, std::vector<spindle::Context>), and so
+// does Runtime::async_shutdown(token), void(std::exception_ptr). Hosted mode
+// (spindle::hosted_runtime) is in <spindle/hosted.h>, included here.
+//
+// One flavour per translation unit: this header and <spindle/boost_asio.h>
+// define the same members (Context::async_call, Connection::async_find), so
+// including both in one .cpp is an #error. Different .cpp files of one
+// program may use different flavours; the one thing they must not share is
+// a callback type passed as the token in both (a plain function pointer or
+// std::function used as a callback with each flavour would name one
+// function with two definitions): wrap such a callback in a lambda.
+// The implementation, shared with Boost.Asio, is <spindle/asio_bridge.h>.
+//
 // Thread safety: as Context. Requires standalone Asio (find_package(spindle
 // COMPONENTS asio) gives the spindle::asio target).
 #pragma once
 
-#include <atomic>
-#include <cstddef>
+#ifdef SPINDLE_BOOST_ASIO_H_INCLUDED
+#error "<spindle/asio.h> and <spindle/boost_asio.h> cannot both be included in one translation unit: \
+they define the same async_call/async_find members; use one flavour per .cpp file"
+#else  // the whole header: no cascade of Asio-vs-Boost errors after the #error
+#define SPINDLE_ASIO_H_INCLUDED 1
+
 #include <exception>
-#include <memory>
-#include <string>
+#include <string_view>
 #include <system_error>
-#include <tuple>
-#include <type_traits>
 #include <utility>
 
 #include <asio/associated_cancellation_slot.hpp>
@@ -38,106 +53,47 @@
 #include <asio/executor_work_guard.hpp>
 #include <asio/post.hpp>
 
+#include <spindle/asio_bridge.h>
+#include <spindle/connection.h>
 #include <spindle/context.h>
+#include <spindle/hosted.h>
 
 namespace spindle::detail {
 
-template <class R, class Handler>
-class AsioCall {
- public:
-  using Executor = asio::associated_executor_t<Handler>;
-  using Slot = asio::associated_cancellation_slot_t<Handler>;
-
-  explicit AsioCall(Handler&& h)
-      : slot_(asio::get_associated_cancellation_slot(h)),
-        work_(asio::make_work_guard(asio::get_associated_executor(h))),
-        handler_(std::move(h)) {}
-
-  Slot& slot() { return slot_; }
-
-  // Exactly once: the first of the reply and a cancellation wins.
-  static void complete(const std::shared_ptr<AsioCall>& self, std::exception_ptr error,
-                       Payload bytes) {
-    if (self->done_.exchange(true)) return;
-    if constexpr (std::is_void_v<R>) {
-      post(self, [self, error]() mutable { std::move(self->handler_)(error); });
-    } else {
-      R value{};
-      if (!error) {
-        try {
-          value = decode_value<R>(bytes);
-        } catch (...) {
-          error = std::current_exception();
-        }
-      }
-      post(self, [self, error, v = std::move(value)]() mutable {
-        std::move(self->handler_)(error, std::move(v));
-      });
-    }
+// The pieces of standalone Asio that asio_bridge.h is written against.
+struct StandaloneAsio {
+  template <class H>
+  static auto executor(const H& h) { return asio::get_associated_executor(h); }
+  template <class Ex>
+  static auto work_guard(const Ex& ex) { return asio::make_work_guard(ex); }
+  template <class Ex, class F>
+  static void post(const Ex& ex, F&& f) { asio::post(ex, std::forward<F>(f)); }
+  template <class H>
+  static auto cancellation_slot(const H& h) { return asio::get_associated_cancellation_slot(h); }
+  static std::exception_ptr aborted() {
+    return std::make_exception_ptr(std::system_error(asio::error::operation_aborted));
   }
-
- private:
-  template <class Fn>
-  static void post(const std::shared_ptr<AsioCall>& self, Fn&& fn) {
-    auto ex = self->work_.get_executor();
-    asio::post(ex, [self, fn = std::forward<Fn>(fn)]() mutable {
-      if (self->slot_.is_connected()) self->slot_.clear();  // on the handler's executor
-      self->work_.reset();
-      fn();
-    });
-  }
-
-  Slot slot_;
-  asio::executor_work_guard<Executor> work_;
-  Handler handler_;
-  std::atomic<bool> done_{false};
-};
-
-template <class R>
-struct AsioCallInitiation {
-  template <class Handler>
-  void operator()(Handler&& handler, Context ctx, std::string name, Payload args) const {
-    auto call = std::make_shared<AsioCall<R, std::decay_t<Handler>>>(std::forward<Handler>(handler));
-    if (call->slot().is_connected()) {
-      std::weak_ptr<AsioCall<R, std::decay_t<Handler>>> weak = call;
-      call->slot().assign([weak](asio::cancellation_type) {
-        if (auto c = weak.lock())
-          AsioCall<R, std::decay_t<Handler>>::complete(
-              c, std::make_exception_ptr(std::system_error(asio::error::operation_aborted)), {});
-      });
-    }
-    try {
-      ctx.start_call(name, std::move(args),
-                     [call](std::exception_ptr e, Payload p) { AsioCall<R, std::decay_t<Handler>>::complete(call, e, std::move(p)); });
-    } catch (...) {  // not sent (the runtime is gone): complete with why
-      AsioCall<R, std::decay_t<Handler>>::complete(call, std::current_exception(), {});
-    }
+  template <class Token, class Sig, class Init, class... Args>
+  static auto initiate(Init&& init, Token& token, Args&&... args) {
+    return asio::async_initiate<Token, Sig>(std::forward<Init>(init), token, std::forward<Args>(args)...);
   }
 };
-
-template <class R>
-struct AsioSignatureOf {
-  using type = void(std::exception_ptr, R);
-};
-template <>
-struct AsioSignatureOf<void> {
-  using type = void(std::exception_ptr);
-};
-template <class R>
-using AsioSignature = typename AsioSignatureOf<R>::type;
 
 }  // namespace spindle::detail
 
 template <class R, class... A, class... Rest>
 auto spindle::Context::async_call(const method<R(A...)>& m, Rest&&... rest) const {
-  static_assert(sizeof...(Rest) == sizeof...(A) + 1,
-                "async_call(method, arguments..., completion token)");
-  auto all = std::forward_as_tuple(std::forward<Rest>(rest)...);
-  return [&]<std::size_t... I>(std::index_sequence<I...>) {
-    Payload args = detail::encode_args<A...>(std::get<I>(all)...);
-    return asio::async_initiate<std::tuple_element_t<sizeof...(A), std::tuple<Rest...>>,
-                                detail::AsioSignature<R>>(
-        detail::AsioCallInitiation<R>{}, std::get<sizeof...(A)>(all), *this,
-        std::string(m.name()), std::move(args));
-  }(std::index_sequence_for<A...>{});
+  return detail::async_call_with<detail::StandaloneAsio>(*this, m, std::forward<Rest>(rest)...);
 }
+
+template <class Token>
+auto spindle::Connection::async_find(std::string_view pattern, Token&& token) const {
+  return detail::async_find_with<detail::StandaloneAsio, Token>(*this, pattern, token);
+}
+
+template <class Token>
+auto spindle::Runtime::async_shutdown(Token&& token) {
+  return detail::async_shutdown_with<detail::StandaloneAsio, Token>(*this, token);
+}
+
+#endif

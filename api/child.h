@@ -9,7 +9,9 @@
 //   }
 // Exposed functions never run on the broker thread: serve() runs them one
 // at a time, in arrival order, on the thread that called it (main's), as
-// Mitogen does. By default only the parent may call them (Allow::kParent).
+// Mitogen does; serve(spindle::Pool{.threads = 4}) runs them concurrently on
+// 4 worker threads of their own while the calling thread waits. By default
+// only the parent may call them (Allow::kParent).
 //
 // Child: a move-only owner of the process. Its destructor sends SHUTDOWN,
 // waits the grace period for the child to exit, then SIGKILLs and reaps it.
@@ -22,6 +24,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -43,6 +46,12 @@ class Broker;
 namespace detail {
 struct Exposed;
 }
+
+// Where serve(Pool) runs exposed functions: on `threads` worker threads of
+// their own, concurrently (a function then guards what it shares).
+struct Pool {
+  std::size_t threads = 4;  // 1..1024
+};
 
 // Who may call an exposed function.
 enum class Allow {
@@ -92,12 +101,18 @@ class ChildEnv {
   // asks this context to shut down or the parent link is lost. Returns 0,
   // so that `return env.serve();` ends main cleanly.
   int serve();
+  // The same, but the functions run concurrently on pool.threads workers
+  // (calls still in flight at SHUTDOWN get up to 5 s to finish). Throws
+  // Error for 0 threads or more than 1024.
+  int serve(Pool pool);
 
   // Internal: the machinery underneath, for the project's own tests.
   Router& router() { return router_; }
   Broker& broker() { return broker_; }
 
  private:
+  int serve_on(std::size_t threads);  // 0: on this thread
+
   Router& router_;
   Broker& broker_;
   std::shared_ptr<detail::Exposed> exposed_;

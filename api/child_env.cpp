@@ -1,10 +1,14 @@
 // ChildEnv's exposed functions are services on the one mechanism every
 // service uses (services/host.h): a ServiceHost on handle 110 hands each
-// call to a lane of a Pool. Here the pool has no thread of its own: serve()
-// lends it the calling thread (PoolOptions::caller_thread), so the functions
-// run one at a time, in arrival order, on main's thread, and a SHUTDOWN from
-// the parent stops the pool, which ends serve(). A name "svc.fn" is method
-// fn of service svc; a bare name belongs to kDefaultService.
+// call to a lane of a Pool. With serve(), the pool has no thread of its own:
+// serve() lends it the calling thread (PoolOptions::caller_thread), so the
+// functions run one at a time, in arrival order, on main's thread, and a
+// SHUTDOWN from the parent stops the pool, which ends serve(). With
+// serve(Pool{n}), the pool has n workers and the services are concurrent;
+// the calling thread waits for the shutdown request, then stops the pool
+// (calls in flight get its stop deadline to finish). A name "svc.fn" is
+// method fn of service svc; a bare name belongs to kDefaultService. Fd
+// arguments decode from the request's fd set (detail::ReceivedFds).
 #include "spindle/child.h"
 
 #include <algorithm>
@@ -68,7 +72,16 @@ void ChildEnv::expose_encoded(std::string_view name, Allow allow,
   fns.push_back({std::string(method), allow, std::move(fn)});
 }
 
-int ChildEnv::serve() {
+int ChildEnv::serve() { return serve_on(0); }
+
+int ChildEnv::serve(Pool pool) {
+  if (pool.threads < 1 || pool.threads > services::Pool::kMaxThreads)
+    throw Error(fmt::format("serve(Pool{{.threads = {}}}): threads must be 1..{}", pool.threads,
+                            services::Pool::kMaxThreads));
+  return serve_on(pool.threads);
+}
+
+int ChildEnv::serve_on(std::size_t threads) {
   if (!exposed_) {  // nothing exposed: only handlers registered on the router
     ready();
     broker_.wait_for_shutdown_request();
@@ -80,15 +93,20 @@ int ChildEnv::serve() {
     ready();
     return 0;
   }
-  ex.pool = std::make_unique<services::Pool>(
-      services::PoolOptions{.threads = 1, .name = "serve", .caller_thread = true});
+  const bool here = threads == 0;
+  ex.pool = std::make_unique<services::Pool>(services::PoolOptions{
+      .threads = here ? 1 : threads, .name = "serve", .caller_thread = here});
   std::vector<std::unique_ptr<services::Service>> services;
   for (auto& [name, fns] : ex.services) {
-    auto svc = std::make_unique<services::Service>(name, services::RunMode::kSerialized);
+    auto svc = std::make_unique<services::Service>(
+        name, here ? services::RunMode::kSerialized : services::RunMode::kConcurrent);
     for (auto& f : fns) {
       auto access = f.allow == Allow::kAnyone ? services::Access::any() : services::Access::parents();
       svc->expose(f.method, std::move(access),
-                  [fn = f.fn](services::Request& req) { return fn(req.args()); },
+                  [fn = f.fn](services::Request& req) {
+                    detail::ReceivedFds fds(req.message().fds);  // for UniqueFd arguments
+                    return fn(req.args());
+                  },
                   services::Encoding::kMsgpack);
     }
     services.push_back(std::move(svc));
@@ -102,7 +120,12 @@ int ChildEnv::serve() {
   // SHUTDOWN (or the parent's loss) stops the pool, which ends serve_here.
   broker_.on_shutdown_request([ex = exposed_] { ex->pool->request_stop(); });
   ready();
-  ex.pool->serve_here();
+  if (here) {
+    ex.pool->serve_here();
+  } else {
+    broker_.wait_for_shutdown_request();
+    ex.pool->stop();  // joins the workers; calls in flight get the stop deadline
+  }
   return 0;
 }
 

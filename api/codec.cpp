@@ -4,10 +4,19 @@
 // value needs at least one byte, so a count above the bytes left cannot be
 // honest and the input is refused before anything is allocated. The walk is
 // iterative (no recursion a deep input could overflow) and O(size).
+//
+// Fd arguments: encode_args() packs the fds' indexes and hands the fds to
+// payload_of(), which keeps them in the Payload's owner, so they close with
+// the Payload if it is never sent. The owner is made with a deleter of its
+// own type: std::get_deleter recognises it in fds_of(), which is how
+// Context::start_call finds the fds of arguments that were encoded earlier
+// (an Asio deferred call encodes at once and sends when awaited).
 #include "spindle/codec.h"
 
 #include <memory>
 #include <string>
+
+#include <fmt/format.h>
 
 namespace spindle::detail {
 namespace {
@@ -85,7 +94,48 @@ std::string check_shape(std::span<const std::uint8_t> b) {
   return {};
 }
 
+thread_local FdEncoding* t_encoding = nullptr;
+thread_local const FdSet* t_received = nullptr;
+
+struct ArgsWithFds {
+  msgpack::sbuffer bytes;
+  FdSet fds;
+};
+// Its type is the tag fds_of() looks for.
+struct ArgsWithFdsDeleter {
+  void operator()(ArgsWithFds* a) const { delete a; }
+};
+
 }  // namespace
+
+FdEncoding::FdEncoding() : outer_(t_encoding) { t_encoding = this; }
+FdEncoding::~FdEncoding() { t_encoding = outer_; }
+FdEncoding* FdEncoding::current() { return t_encoding; }
+
+std::uint8_t FdEncoding::add(UniqueFd fd) {
+  if (fds_.size() >= kMaxFdsPerMessage)
+    throw Error(fmt::format("a call can pass at most {} fds (SCM_MAX_FD)", kMaxFdsPerMessage));
+  fds_.push_back(std::move(fd));
+  return static_cast<std::uint8_t>(fds_.size() - 1);
+}
+
+ReceivedFds::ReceivedFds(const FdSet& fds) : outer_(t_received) { t_received = &fds; }
+ReceivedFds::~ReceivedFds() { t_received = outer_; }
+const FdSet* ReceivedFds::current() { return t_received; }
+
+Payload payload_of(msgpack::sbuffer&& buf, std::vector<UniqueFd> fds) {
+  std::shared_ptr<ArgsWithFds> owner(new ArgsWithFds{std::move(buf), FdSet(std::move(fds))},
+                                     ArgsWithFdsDeleter{});
+  Payload p;
+  p.append(Slice{owner, reinterpret_cast<const std::uint8_t*>(owner->bytes.data()), owner->bytes.size()});
+  return p;
+}
+
+FdSet fds_of(const Payload& args) {
+  auto slices = args.slices();
+  if (slices.size() != 1 || !std::get_deleter<ArgsWithFdsDeleter>(slices[0].owner)) return {};
+  return static_cast<const ArgsWithFds*>(slices[0].owner.get())->fds;
+}
 
 Payload payload_of(msgpack::sbuffer&& buf) {
   auto owner = std::make_shared<msgpack::sbuffer>(std::move(buf));
@@ -116,3 +166,52 @@ void throw_decode_error(std::string_view what, const std::exception& e) {
 }
 
 }  // namespace spindle::detail
+
+namespace spindle {
+
+namespace {
+void pack_fd_index(Packer& p, std::uint8_t index) {
+  p.pack_ext(1, kFdExtType);
+  const char byte = static_cast<char>(index);
+  p.pack_ext_body(&byte, 1);
+}
+detail::FdEncoding& encoding() {
+  detail::FdEncoding* e = detail::FdEncoding::current();
+  // encode_args() sets one up for every method with a UniqueFd parameter.
+  if (!e) throw Error("a UniqueFd is encoded only as an argument of a typed call");
+  return *e;
+}
+}  // namespace
+
+void codec<UniqueFd>::encode(Packer& p, UniqueFd&& fd) {
+  if (!fd) {
+    p.pack_nil();  // no fd: the callee gets an empty UniqueFd
+    return;
+  }
+  pack_fd_index(p, encoding().add(std::move(fd)));
+}
+
+void codec<UniqueFd>::encode(Packer& p, const UniqueFd& fd) {
+  if (!fd) {
+    p.pack_nil();  // no fd: the callee gets an empty UniqueFd
+    return;
+  }
+  detail::FdEncoding& e = encoding();
+  pack_fd_index(p, e.add(dup_fd(fd.get())));
+}
+
+UniqueFd codec<UniqueFd>::decode(const msgpack::object& o) {
+  if (o.type == msgpack::type::NIL) return UniqueFd();
+  if (o.type != msgpack::type::EXT || o.via.ext.type() != kFdExtType || o.via.ext.size != 1)
+    throw DecodeError("an fd argument is msgpack ext type 70 holding a one-byte index");
+  const FdSet* fds = detail::ReceivedFds::current();
+  if (!fds) throw DecodeError("an fd argument decodes only inside an exposed function's call");
+  const auto index = static_cast<std::uint8_t>(o.via.ext.data()[0]);
+  if (index >= fds->size())
+    throw DecodeError(fmt::format("fd argument #{}, but the message carries {} fd(s) (did the sender's "
+                                  "transport drop them?)",
+                                  index, fds->size()));
+  return dup_fd((*fds)[index]);  // ours; the message's copy closes with it
+}
+
+}  // namespace spindle

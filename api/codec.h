@@ -18,7 +18,18 @@
 // has been checked to declare no more elements than it has bytes, so a
 // hostile 5-byte input cannot make the decoder allocate gigabytes.
 //
-// Thread safety: pure functions.
+// A spindle::UniqueFd parameter passes a file descriptor with the call
+// (docs/PROTOCOL.md section 13): the fd rides in the message's fd set and the
+// argument is its index there (msgpack ext type kFdExtType, one byte; an
+// empty UniqueFd is nil). The caller passes a UniqueFd by value (std::move:
+// the message takes it and closes it once sent) or as an lvalue (a duplicate
+// goes; the caller keeps its own). A raw int does not compile: say
+// spindle::dup_fd(fd) to send a copy of an fd owned elsewhere. The callee's
+// UniqueFd is its own (a duplicate of the one the message carried, which
+// closes with the message). Only top-level parameters carry fds (not a
+// UniqueFd inside a struct or a vector), and a result cannot carry one.
+//
+// Thread safety: pure functions (the fd scopes below are per thread).
 #pragma once
 
 #ifndef MSGPACK_NO_BOOST
@@ -32,10 +43,12 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <msgpack.hpp>
 
 #include <spindle/errors.h>
+#include <spindle/fds.h>
 #include <spindle/payload.h>
 
 namespace spindle {
@@ -46,6 +59,18 @@ template <class T, class Enable = void>
 struct codec {
   static void encode(Packer& p, const T& v) { p.pack(v); }
   static T decode(const msgpack::object& o) { return o.template as<T>(); }
+};
+
+// The msgpack ext type of an fd argument: its index in the message's fd set.
+inline constexpr std::int8_t kFdExtType = 70;  // 'F'
+
+template <>
+struct codec<UniqueFd> {
+  static void encode(Packer& p, UniqueFd&& fd);       // the message takes it
+  static void encode(Packer& p, const UniqueFd& fd);  // a duplicate goes
+  // A duplicate of the fd the message carries (DecodeError if it carries
+  // none at that index, or outside a call's decoding).
+  static UniqueFd decode(const msgpack::object& o);
 };
 
 class Router;
@@ -67,18 +92,59 @@ class DecodingScope {
 };
 
 
+// Collects the fds of a typed call's arguments while they are encoded.
+class FdEncoding {
+ public:
+  FdEncoding();
+  ~FdEncoding();
+  FdEncoding(const FdEncoding&) = delete;
+  FdEncoding& operator=(const FdEncoding&) = delete;
+  static FdEncoding* current();
+  // The fd's index in the message (Error past kMaxFdsPerMessage).
+  std::uint8_t add(UniqueFd fd);
+  std::vector<UniqueFd> take() { return std::move(fds_); }
+
+ private:
+  FdEncoding* outer_;
+  std::vector<UniqueFd> fds_;
+};
+
+// The fd set of the message whose arguments this thread is decoding.
+class ReceivedFds {
+ public:
+  explicit ReceivedFds(const FdSet& fds);
+  ~ReceivedFds();
+  ReceivedFds(const ReceivedFds&) = delete;
+  ReceivedFds& operator=(const ReceivedFds&) = delete;
+  static const FdSet* current();
+
+ private:
+  const FdSet* outer_;
+};
+
 // Takes the buffer's bytes as a Payload without copying them.
 Payload payload_of(msgpack::sbuffer&& buf);
+// The same, with the fds the arguments carry: fds_of() gives them back (the
+// Payload holds them: dropped unsent, it closes them).
+Payload payload_of(msgpack::sbuffer&& buf, std::vector<UniqueFd> fds);
+FdSet fds_of(const Payload& args);
+
+template <class... A>
+inline constexpr bool kCarriesFds = (std::is_same_v<std::decay_t<A>, UniqueFd> || ...);
 // Unpacks `bytes` (throws DecodeError when they are not one well-formed
 // msgpack value, or declare more elements than they have bytes).
 msgpack::object_handle unpack_checked(const Payload& bytes, std::string_view what);
 [[noreturn]] void throw_decode_error(std::string_view what, const std::exception& e);
 
 // An argument as the method's parameter type: itself when it already is
-// one (no copy), else converted.
+// one (no copy; an rvalue stays one, so a UniqueFd can be given up), else
+// converted.
 template <class D, class X>
 decltype(auto) as_param(X&& x) {
-  if constexpr (std::is_same_v<std::decay_t<X>, D>) return static_cast<const D&>(x);
+  static_assert(!std::is_same_v<D, UniqueFd> || std::is_same_v<std::decay_t<X>, UniqueFd>,
+                "spindle: an fd parameter takes a spindle::UniqueFd (std::move it to give it up, "
+                "or pass spindle::dup_fd(fd) to send a copy of an fd you keep)");
+  if constexpr (std::is_same_v<std::decay_t<X>, D>) return std::forward<X>(x);
   else return D(std::forward<X>(x));
 }
 
@@ -87,13 +153,23 @@ Payload encode_args(Args&&... args) {
   static_assert(sizeof...(A) == sizeof...(Args), "wrong number of arguments for this method");
   msgpack::sbuffer buf;
   Packer p(buf);
-  p.pack_array(sizeof...(A));
-  (codec<std::decay_t<A>>::encode(p, as_param<std::decay_t<A>>(std::forward<Args>(args))), ...);
-  return payload_of(std::move(buf));
+  if constexpr (kCarriesFds<A...>) {
+    FdEncoding fds;
+    p.pack_array(sizeof...(A));
+    (codec<std::decay_t<A>>::encode(p, as_param<std::decay_t<A>>(std::forward<Args>(args))), ...);
+    return payload_of(std::move(buf), fds.take());
+  } else {
+    p.pack_array(sizeof...(A));
+    (codec<std::decay_t<A>>::encode(p, as_param<std::decay_t<A>>(std::forward<Args>(args))), ...);
+    return payload_of(std::move(buf));
+  }
 }
 
 template <class T>
 Payload encode_value(const T& v) {
+  static_assert(!std::is_same_v<std::decay_t<T>, UniqueFd>,
+                "spindle: a result cannot carry an fd; pass fds as arguments (the callee can "
+                "call back, or send them as an argument of a call to the caller)");
   msgpack::sbuffer buf;
   Packer p(buf);
   codec<std::decay_t<T>>::encode(p, v);
@@ -132,6 +208,7 @@ std::tuple<std::decay_t<A>...> decode_args(const Payload& bytes) {
 // is kDecodeErrorType, as a callee's decode failure does.
 template <class R>
 R decode_value(const Payload& bytes) {
+  static_assert(!std::is_same_v<std::decay_t<R>, UniqueFd>, "spindle: a result cannot carry an fd");
   try {
     auto h = unpack_checked(bytes, "result");
     return codec<std::decay_t<R>>::decode(h.get());

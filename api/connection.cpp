@@ -7,6 +7,7 @@
 #include "spindle/connection.h"
 
 #include <algorithm>
+#include <atomic>
 #include <thread>
 #include <tuple>
 
@@ -114,19 +115,44 @@ std::vector<Context> Connection::find(std::string_view pattern) const {
 std::future<std::vector<Context>> Connection::async_find(std::string_view pattern) const {
   auto promise = std::make_shared<std::promise<std::vector<Context>>>();
   auto f = promise->get_future();
-  Router* r = router_.get();
-  router_context().start_call(
-      names_find.name(), detail::encode_args<std::string>(std::string(pattern)),
-      [promise, r](std::exception_ptr error, Payload bytes) {
-        if (error) return promise->set_exception(error);
-        try {
-          auto found = detail::decode_value<std::vector<std::tuple<std::uint32_t, std::string>>>(bytes);
-          promise->set_value(contexts_of(*r, found));
-        } catch (...) {
-          promise->set_exception(std::current_exception());
-        }
-      });
+  start_find(pattern, [promise](std::exception_ptr error, std::vector<Context> found) {
+    if (error) promise->set_exception(error);
+    else promise->set_value(std::move(found));
+  });
   return f;
+}
+
+void Connection::start_find(std::string_view pattern, FindCompletion done) const {
+  // Shared, so that the completion survives a start_call that throws (the
+  // runtime gone, a full queue) and still runs exactly once.
+  struct Once {
+    std::atomic<bool> ran{false};
+    FindCompletion done;
+    void operator()(std::exception_ptr error, std::vector<Context> found) {
+      if (!ran.exchange(true)) done(error, std::move(found));
+    }
+  };
+  auto once = std::make_shared<Once>();
+  once->done = std::move(done);
+  try {
+    if (!router_) throw ShutdownError("this Connection has been moved from");
+    Router* r = router_.get();  // alive while the completion can run
+    router_context().start_call(
+        names_find.name(), detail::encode_args<std::string>(std::string(pattern)),
+        [r, once](std::exception_ptr error, Payload bytes) {
+          std::vector<Context> found;
+          if (!error) {
+            try {
+              found = contexts_of(*r, detail::decode_value<std::vector<std::tuple<std::uint32_t, std::string>>>(bytes));
+            } catch (...) {
+              error = std::current_exception();
+            }
+          }
+          (*once)(error, std::move(found));
+        });
+  } catch (...) {  // not sent: complete with why, as a call does; never throw
+    (*once)(std::current_exception(), {});
+  }
 }
 
 Context Connection::router_context() const {

@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <future>
 #include <memory>
@@ -38,6 +39,7 @@
 
 #include <spindle/child.h>
 #include <spindle/context.h>
+#include <spindle/function.h>
 #include <spindle/method.h>
 #include <spindle/options.h>
 
@@ -45,6 +47,9 @@ namespace spindle {
 
 class Broker;
 struct UnixAddress;
+
+// The completion of Connection::start_find: (nullptr, contexts) or (error, {}).
+using FindCompletion = UniqueFunction<void(std::exception_ptr, std::vector<Context>)>;
 
 struct ConnectOptions {
   std::string name;  // registered with the router's names service; empty: none
@@ -75,6 +80,16 @@ class Connection {
   // sorted by name.
   std::vector<Context> find(std::string_view pattern) const;
   std::future<std::vector<Context>> async_find(std::string_view pattern) const;
+  // With an Asio completion token, signature void(std::exception_ptr,
+  // std::vector<Context>); defined in <spindle/asio.h> and
+  // <spindle/boost_asio.h>. Like any I/O object's, this Connection must
+  // outlive the operation's start (with deferred: until it is launched).
+  template <class Token>
+  auto async_find(std::string_view pattern, Token&& token) const;
+  // The initiation seam under both: `done` runs exactly once, on the broker
+  // thread, with the contexts found or the error (ShutdownError once the
+  // Connection is closed, Error when not connected).
+  void start_find(std::string_view pattern, FindCompletion done) const;
   // Names this client (once per connection; open() does it for opts.name).
   void register_name(std::string_view name);
   // The spindle-router's own context (it hosts the services).
@@ -90,6 +105,8 @@ class Connection {
   // Runs exposed functions on this thread until the link to the router is
   // lost or close() is called from another thread. Returns 0.
   int serve() { return env().serve(); }
+  // The same, on pool.threads workers of their own, concurrently (ChildEnv).
+  int serve(Pool pool) { return env().serve(pool); }
   // Declares the handlers registered without serving (see open()).
   void ready() { env().ready(); }
 

@@ -34,9 +34,12 @@ Message typed_request(std::uint32_t dst, std::string_view name, Payload args) {
     service = name.substr(0, dot);
     method = name.substr(dot + 1);
   }
-  return Message::make(dst, kHandleCallService,
-                       services::encode_call(service, method, std::move(args),
-                                             services::kEnvelopeMsgpack));
+  FdSet fds = detail::fds_of(args);  // UniqueFd arguments (codec.h)
+  Message m = Message::make(dst, kHandleCallService,
+                            services::encode_call(service, method, std::move(args),
+                                                  services::kEnvelopeMsgpack));
+  m.fds = std::move(fds);
+  return m;
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 // Role: names a context by id and makes calls to it.
 //  - Typed calls (method.h): call() blocks and returns the result,
 //    call_async() returns a std::future, async_call() takes an Asio
-//    completion token (<spindle/asio.h>). call<R>("name", args...) calls by
-//    name, for functions another language exposed.
+//    completion token (<spindle/asio.h>, <spindle/boost_asio.h>).
+//    call<R>("name", args...) calls by name, for functions another
+//    language exposed.
 //  - Raw messages: call(handle, bytes), call_async(handle, bytes) and
 //    send(handle, bytes), for handlers registered by number.
 // A remote exception arrives as CallError (type() names it), a dead reply as
@@ -91,8 +92,9 @@ class Context {
       return detail::decode_value<R>(result);
     }
   }
-  // With an Asio completion token; defined in <spindle/asio.h>. The last
-  // argument is the token, the others the method's arguments.
+  // With an Asio completion token; defined in <spindle/asio.h> and, for
+  // Boost.Asio, in <spindle/boost_asio.h> (one of the two per translation
+  // unit). The last argument is the token, the others the method's arguments.
   template <class R, class... A, class... Rest>
   auto async_call(const method<R(A...)>& m, Rest&&... rest) const;
 

@@ -11,8 +11,13 @@
 #include <spindle/connection.h>
 #include <spindle/context.h>
 #include <spindle/errors.h>
+#include <spindle/log.h>
+#include <spindle/fds.h>
 #include <spindle/message.h>
 #include <spindle/method.h>
 #include <spindle/options.h>
 #include <spindle/payload.h>
+#include <spindle/router_services.h>
 #include <spindle/runtime.h>
+#include <spindle/slots.h>
+#include <spindle/zygote.h>

@@ -31,18 +31,32 @@ namespace spindle {
 
 Broker::Broker() : Broker(Options{}) {}
 
-Broker::Broker(Options opts) : opts_(opts), waker_(io_) {
+Broker::Broker(Options opts) : Broker(opts, nullptr) {}
+
+Broker::Broker(asio::io_context& loop, Options opts) : Broker(opts, &loop) {}
+
+Broker::Broker(Options opts, asio::io_context* hosted)
+    : opts_(opts),
+      own_io_(hosted ? nullptr : std::make_unique<asio::io_context>(1)),
+      io_(hosted ? *hosted : *own_io_),
+      waker_(io_) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
   fd_registry::note(wake_fd_);
-  for (int fd : fd_registry::anon_inode_fds())
-    if (fd != wake_fd_ && !std::binary_search(anon_fds_before_.begin(), anon_fds_before_.end(), fd))
-      asio_fds_.push_back(fd);
+  // A hosted loop's own fds are the application's: a forked child keeps them.
+  if (!hosted)
+    for (int fd : fd_registry::anon_inode_fds())
+      if (fd != wake_fd_ && !std::binary_search(anon_fds_before_.begin(), anon_fds_before_.end(), fd))
+        asio_fds_.push_back(fd);
   for (int fd : asio_fds_) fd_registry::note(fd);
   anon_fds_before_ = {};
   waker_.assign(wake_fd_);
   arm_waker();
-  thread_ = std::thread([this] { run(); });
+  if (hosted) {
+    bind_thread();
+  } else {
+    thread_ = std::thread([this] { run(); });
+  }
 }
 
 Broker::~Broker() {
@@ -51,6 +65,7 @@ Broker::~Broker() {
   // one of their numbers.
   fd_registry::forget(wake_fd_);
   for (int fd : asio_fds_) fd_registry::forget(fd);
+  if (hosted() && on_broker_thread() && state() != State::kStopped) stop_here();
   shutdown();
   if (!on_broker_thread() && thread_.joinable()) thread_.join();
   if (thread_.joinable()) thread_.detach();  // destroyed from its own thread: cannot join
@@ -59,9 +74,11 @@ Broker::~Broker() {
   // left over from a broker that never ran are freed here.
   Task* t;
   while (tasks_.pop(t)) delete t;
+  life_.reset();  // before the members: what a hosted loop runs later sees us gone
 }
 
-void Broker::run() {
+// The calling thread becomes the broker thread.
+void Broker::bind_thread() {
   thread_id_.store(std::this_thread::get_id());
   tid_.store(static_cast<pid_t>(::syscall(SYS_gettid)));
   // Writes to a closed pipe must come back as EPIPE, not kill the process.
@@ -72,6 +89,10 @@ void Broker::run() {
   if (int err = pthread_sigmask(SIG_BLOCK, &set, nullptr))
     log().error("broker: cannot block SIGPIPE ({}); a write to a closed pipe may kill the process",
                 errno_text(err));
+}
+
+void Broker::run() {
+  bind_thread();
   pthread_setname_np(pthread_self(), "spindle-broker");  // cosmetic: failure is harmless
 
   auto guard = asio::make_work_guard(io_);
@@ -152,13 +173,17 @@ void Broker::wake() {
 }
 
 void Broker::arm_waker() {
-  waker_.async_wait(asio::posix::descriptor_base::wait_read, [this](const std::error_code& ec) {
-    if (ec == asio::error::operation_aborted) return;
+  // life: a hosted loop may run this after the broker is gone (a wait that
+  // completed just before the broker cancelled it); cancelling is not enough.
+  waker_.async_wait(asio::posix::descriptor_base::wait_read,
+                    [this, life = std::weak_ptr<char>(life_)](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted || life.expired()) return;
     on_waker();
   });
 }
 
 void Broker::on_waker() {
+  check_loop_thread();
   std::uint64_t count;
   while (::read(wake_fd_, &count, sizeof count) < 0 && errno == EINTR) {
   }
@@ -244,8 +269,10 @@ Broker::TimerId Broker::call_later(std::chrono::nanoseconds delay, std::function
 
 void Broker::create_timer(TimerId id, std::chrono::nanoseconds delay, std::function<void()> fn) {
   auto timer = std::make_unique<asio::steady_timer>(io_, delay);
-  timer->async_wait([this, id, fn = std::move(fn)](const std::error_code& ec) {
-    if (ec == asio::error::operation_aborted) return;
+  timer->async_wait([this, id, fn = std::move(fn),
+                     life = std::weak_ptr<char>(life_)](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted || life.expired()) return;
+    check_loop_thread();
     timers_.erase(id);
     fn();
   });
@@ -281,9 +308,14 @@ void Broker::watch_child(std::shared_ptr<ChildProcess> child, std::function<void
   fd_registry::note(fd);
   try_defer([this, fd, child, on_exit = std::move(on_exit)] {
     auto watch = std::make_shared<asio::posix::stream_descriptor>(io_, fd);
+    if (hosted()) {
+      std::erase_if(child_watches_, [](const auto& w) { return w.expired(); });
+      child_watches_.push_back(watch);
+    }
     watch->async_wait(asio::posix::descriptor_base::wait_read,
-                      [this, watch, child, on_exit](const std::error_code& ec) {
-                        if (ec == asio::error::operation_aborted) return;
+                      [this, watch, child, on_exit,
+                       life = std::weak_ptr<char>(life_)](const std::error_code& ec) {
+                        if (ec == asio::error::operation_aborted || life.expired()) return;
                         auto st = child->reap();
                         {
                           std::lock_guard lk(children_mu_);
@@ -296,16 +328,31 @@ void Broker::watch_child(std::shared_ptr<ChildProcess> child, std::function<void
 
 // After the loop: every child still registered is reaped, waiting out the
 // shutdown grace for it to exit on its own (its parent link has closed).
+// A hosted broker destroyed on its loop thread must not hold the
+// application's loop for that: a thread of its own waits instead.
 void Broker::reap_children() {
   std::vector<std::shared_ptr<ChildProcess>> left;
   {
     std::lock_guard lk(children_mu_);
     left.swap(children_);
   }
-  for (auto& c : left) {
-    int st = c->finish(opts_.shutdown_grace);
-    log().debug("broker: reaped child pid={}: {}", c->pid(), describe_wait_status(st));
+  auto reap = [grace = opts_.shutdown_grace](std::vector<std::shared_ptr<ChildProcess>> children) {
+    for (auto& c : children) {
+      int st = c->finish(grace);
+      log().debug("broker: reaped child pid={}: {}", c->pid(), describe_wait_status(st));
+    }
+  };
+  std::erase_if(left, [](const auto& c) { return c->reap().has_value(); });  // gone already
+  if (left.empty()) return;
+  if (hosted() && on_broker_thread()) {
+    try {
+      std::thread(reap, std::move(left)).detach();
+      return;
+    } catch (const std::system_error& e) {  // no thread to be had: wait here
+      log().warn("broker: no thread to reap {} child(ren) with ({}); the loop waits", left.size(), e.what());
+    }
   }
+  reap(std::move(left));
 }
 
 void Broker::shutdown() { shutdown(opts_.shutdown_grace); }
@@ -350,9 +397,58 @@ void Broker::wait_for_shutdown_request() {
 void Broker::join() {
   if (on_broker_thread()) throw Error("Broker::join() called on the broker thread");
   if (thread_.joinable()) thread_.join();
+  if (hosted()) {  // no thread to join: wait until the loop has finished us
+    std::unique_lock lk(request_mu_);
+    request_cv_.wait(lk, [this] { return state() == State::kStopped; });
+  }
+}
+
+void Broker::on_finished(std::function<void()> fn) {
+  {
+    std::lock_guard lk(request_mu_);
+    if (state() != State::kStopped) {
+      finished_fns_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
+}
+
+void Broker::refuse_second_thread() const { throw Error(std::string(errtext::kSecondLoopThread)); }
+
+// Hosted, on the loop thread: the whole shutdown in one step. A begin or
+// deadline step still queued finds the broker stopped and does nothing.
+void Broker::stop_here() {
+  if (!hosted() || !on_broker_thread()) throw Error("Broker::stop_here() is for a hosted broker's loop thread");
+  if (state() == State::kStopped) return;
+  shutdown(std::chrono::milliseconds(0));  // the request's bookkeeping; its queued begin finds us done
+  if (state() == State::kRunning) begin_shutdown(std::chrono::milliseconds(0));
+  if (state() == State::kStopped) return;  // it drained at once
+  tell_rest();
+  auto left = participants_;
+  for (auto* p : left)
+    if (participants_.count(p) && !drained_.count(p)) p->on_shutdown_deadline();
+  finishing_ = true;
+  end_loop();
+}
+
+// The loop's work for this broker is over. Its own loop stops (run() then
+// calls finish()); a hosted loop belongs to the application and runs on, so
+// the broker finishes here and cancels all it waits on, which lets the
+// application's run() return once nothing else is pending.
+void Broker::end_loop() {
+  if (!hosted()) return io_.stop();
+  if (state() == State::kStopped) return;
+  finish();
+  std::error_code ignored;
+  waker_.cancel(ignored);
+  for (auto& w : child_watches_)
+    if (auto watch = w.lock()) watch->cancel(ignored);
+  child_watches_.clear();
 }
 
 void Broker::begin_shutdown(std::chrono::milliseconds grace) {
+  if (state() != State::kRunning) return;  // stop_here() came first
   state_.store(State::kDraining, std::memory_order_release);
   log().debug("broker: shutdown begins, {} participant(s), grace {} ms", participants_.size(),
               grace.count());
@@ -367,8 +463,8 @@ void Broker::begin_shutdown(std::chrono::milliseconds grace) {
 }
 
 void Broker::wait_for_grace_deadline() {
-  deadline_->async_wait([this](const std::error_code& ec) {
-    if (ec == asio::error::operation_aborted) return;
+  deadline_->async_wait([this, life = std::weak_ptr<char>(life_)](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted || life.expired()) return;
     log().warn("broker: shutdown grace period over; force-closing {} participant(s)",
                participants_.size() - drained_.size());
     tell_rest();
@@ -377,7 +473,7 @@ void Broker::wait_for_grace_deadline() {
       if (!drained_.count(p)) p->on_shutdown_deadline();
     }
     finishing_ = true;
-    io_.stop();
+    end_loop();
   });
 }
 
@@ -442,9 +538,10 @@ void Broker::maybe_finish() {
   if (finishing_ || drained_.size() < participants_.size()) return;
   finishing_ = true;
   // Let handlers already queued (e.g. deferred work) run before stopping.
-  asio::post(io_, [this] {
+  asio::post(io_, [this, life = std::weak_ptr<char>(life_)] {
+    if (life.expired()) return;  // a hosted broker already gone
     if (deadline_) deadline_->cancel();
-    io_.stop();
+    end_loop();
   });
 }
 
@@ -473,6 +570,11 @@ void Broker::finish() {
     fns.swap(request_fns_);
   }
   request_cv_.notify_all();
+  for (auto& fn : fns) fn();
+  {
+    std::lock_guard lk(request_mu_);
+    fns.swap(finished_fns_);
+  }
   for (auto& fn : fns) fn();
   log().debug("broker: stopped");
 }

@@ -26,8 +26,18 @@
 // shutdown(), join(), watch_child() and the state queries are safe from any
 // thread. io(), on_wake() and the participant calls are for the broker
 // thread only.
+// Hosted mode (Broker(asio::io_context&)): no thread of its own. The loop is
+// the user's io_context, and the broker thread is the thread that made the
+// broker, which must be the one that runs that io_context: a handler of ours
+// run by another thread throws Error(kSecondLoopThread) out of its run().
+// Finishing cancels what the broker waits on instead of stopping the loop,
+// so the user's run() returns once Spindle has nothing left to do;
+// on_finished() tells who waits for that. stop_here() finishes at once on
+// the loop thread (a hosted runtime destroyed without async_shutdown).
+//
 // Ownership: the owner of a Broker destroys it; the destructor shuts down and
-// joins. Participants are borrowed and must unregister before they die.
+// joins. Participants are borrowed and must unregister before they die. A
+// hosted broker borrows its io_context, which must outlive it.
 #pragma once
 
 #include <atomic>
@@ -85,6 +95,8 @@ class Broker {
 
   Broker();
   explicit Broker(Options opts);
+  // Hosted: runs on `loop`, driven by the thread calling this (see above).
+  Broker(asio::io_context& loop, Options opts);
   ~Broker();
   Broker(const Broker&) = delete;
   Broker& operator=(const Broker&) = delete;
@@ -138,6 +150,19 @@ class Broker {
   // block.
   void on_shutdown_request(std::function<void()> fn);
 
+  bool hosted() const { return !own_io_; }
+  // Hosted, on the loop thread: shuts down now, without waiting for the loop
+  // (participants are told the grace period is over at once).
+  void stop_here();
+  // Runs fn once the broker has finished (at once if it has): on the broker
+  // thread, or on the thread that finds it finished.
+  void on_finished(std::function<void()> fn);
+  // Hosted: throws Error unless the calling thread is the loop thread. The
+  // handlers that begin every broker turn call it.
+  void check_loop_thread() const {
+    if (!own_io_ && !on_broker_thread()) refuse_second_thread();
+  }
+
   State state() const { return state_.load(std::memory_order_acquire); }
   bool accepting() const { return state() == State::kRunning; }
   bool on_broker_thread() const { return std::this_thread::get_id() == thread_id_.load(); }
@@ -164,6 +189,10 @@ class Broker {
   struct Task {
     std::function<void()> fn;
   };
+  Broker(Options opts, asio::io_context* hosted);
+  [[noreturn]] void refuse_second_thread() const;
+  void bind_thread();
+  void end_loop();
   bool enter_producer();
   bool push_task(std::function<void()> fn);
   void arm_waker();
@@ -186,7 +215,11 @@ class Broker {
   // epoll, eventfd, timerfd) are noted in fd_registry for forked children.
   std::vector<int> anon_fds_before_ = fd_registry::anon_inode_fds();
   std::vector<int> asio_fds_;
-  asio::io_context io_;
+  std::unique_ptr<asio::io_context> own_io_;  // null when hosted
+  asio::io_context& io_;
+  // Expires with the broker: what it posts to a hosted loop (which outlives
+  // it) checks this first.
+  std::shared_ptr<char> life_ = std::make_shared<char>();
   std::atomic<State> state_{State::kRunning};
   std::atomic<pid_t> tid_{0};
   std::atomic<std::thread::id> thread_id_{};
@@ -219,6 +252,9 @@ class Broker {
   std::unique_ptr<asio::steady_timer> deadline_;
   bool finishing_ = false;
   std::vector<std::pair<int, std::function<void()>>> wake_sinks_;
+  // Hosted: the pidfd watches, cancelled when the broker finishes.
+  std::vector<std::weak_ptr<asio::posix::stream_descriptor>> child_watches_;
+  std::vector<std::function<void()>> finished_fns_;  // guarded by request_mu_
   int next_sink_ = 1;
   std::mutex children_mu_;
   std::vector<std::shared_ptr<ChildProcess>> children_;  // guarded by children_mu_

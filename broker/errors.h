@@ -17,6 +17,9 @@ const char* errno_text(int err);
 namespace errtext {
 inline constexpr std::string_view kBrokerShutDown = "broker has shut down; the request was not accepted";
 inline constexpr std::string_view kCallTimedOut = "call timed out";
+inline constexpr std::string_view kSecondLoopThread =
+    "hosted runtime: its io_context is run by a second thread; Spindle's handlers run only on "
+    "the thread that made the runtime (see <spindle/hosted.h>)";
 }  // namespace errtext
 
 }  // namespace spindle

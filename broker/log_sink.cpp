@@ -1,6 +1,7 @@
 // The non-blocking stderr sink (see log_sink.h). The queue is a deque of
-// formatted lines under one mutex held only to push or to swap the queue out;
-// the writer thread sleeps on a condition variable between batches.
+// entries (a formatted line, or a record's parts for the log handler) under
+// one mutex held only to push or to swap the queue out; the writer thread
+// sleeps on a condition variable between batches.
 #include "broker/log_sink.h"
 
 #include <pthread.h>
@@ -10,7 +11,9 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -28,6 +31,31 @@ namespace spindle {
 namespace {
 
 constexpr std::size_t kMaxQueuedBytes = 1u << 20;
+
+// Set on the writer thread while it calls the log handler: a handler that
+// replaces the handler already holds the delivery lock.
+thread_local bool t_delivering = false;
+
+LogLevel public_level(spdlog::level::level_enum l) {
+  switch (l) {
+    case spdlog::level::trace: return LogLevel::trace;
+    case spdlog::level::debug: return LogLevel::debug;
+    case spdlog::level::info: return LogLevel::info;
+    case spdlog::level::warn: return LogLevel::warn;
+    case spdlog::level::err: return LogLevel::error;
+    case spdlog::level::critical: return LogLevel::critical;
+    default: return LogLevel::off;
+  }
+}
+
+// One queued line: formatted for stderr (line), or, while a handler is
+// installed, the record's parts (line empty) for the handler.
+struct Entry {
+  std::string line;
+  spdlog::level::level_enum level = spdlog::level::info;
+  spdlog::log_clock::time_point time;
+  std::string logger, text;
+};
 
 void write_fully(const char* p, std::size_t left) {
   while (left > 0) {
@@ -54,14 +82,27 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
       return;
     }
     std::unique_lock lk(mu_);
-    formatter_->format(msg, buf);
-    if (queued_bytes_ + buf.size() > kMaxQueuedBytes) {
+    const bool to_handler = has_handler_.load(std::memory_order_acquire);
+    std::size_t size = msg.logger_name.size() + msg.payload.size();
+    if (!to_handler) {
+      formatter_->format(msg, buf);
+      size = buf.size();
+    }
+    if (queued_bytes_ + size > kMaxQueuedBytes) {
       ++dropped_;
       total_dropped_.fetch_add(1, std::memory_order_relaxed);
       return;
     }
-    queued_bytes_ += buf.size();
-    queue_.emplace_back(buf.data(), buf.size());
+    queued_bytes_ += size;
+    Entry& e = queue_.emplace_back();
+    if (to_handler) {
+      e.level = msg.level;
+      e.time = msg.time;
+      e.logger.assign(msg.logger_name.data(), msg.logger_name.size());
+      e.text.assign(msg.payload.data(), msg.payload.size());
+    } else {
+      e.line.assign(buf.data(), buf.size());
+    }
     if (!started_) start_locked();
     if (idle_) cv_.notify_one();
   }
@@ -90,14 +131,29 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
   // of the allocator (once running, it only allocates under mu_).
   // A writer thread that is still starting (inside the sanitizer's or
   // glibc's thread set-up, which allocates) is waited for too.
+  // A handler call in progress is waited for first (the delivery lock is
+  // always taken before mu_), so the child inherits none of its locks held.
   void hold_for_fork() {
     if (::getpid() != owner_) return;
+    deliver_mu_.lock();
     std::unique_lock lk(mu_);
     drained_.wait(lk, [&] { return !started_ || running_; });
     lk.release();  // unlocked by release_after_fork
   }
   void release_after_fork(pid_t forker) {
-    if (forker == owner_) mu_.unlock();
+    if (forker != owner_) return;
+    mu_.unlock();
+    deliver_mu_.unlock();
+  }
+  // Replaces the handler; returns once the one replaced is not running.
+  void set_handler(std::shared_ptr<const LogHandler> h) {
+    std::unique_lock dl(deliver_mu_, std::defer_lock);
+    if (!t_delivering) dl.lock();  // else this thread holds it, inside a handler
+    has_handler_.store(h != nullptr, std::memory_order_release);
+    std::shared_ptr<const LogHandler> old = std::exchange(handler_, std::move(h));
+    // `old` is destroyed under the delivery lock too (it may free memory: see
+    // hold_for_fork), unless it is the handler running on this thread, which
+    // its caller still holds.
   }
   pid_t owner() const { return owner_; }
   std::uint64_t total_dropped() const { return total_dropped_.load(std::memory_order_relaxed); }
@@ -110,14 +166,18 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
     } catch (const std::system_error&) {
       // No thread to be had (EAGAIN): write what is queued in place, and
       // try again with the next line. started_ stays false, so a fork does
-      // not wait for a writer that does not exist.
-      for (const std::string& line : queue_) write_fully(line.data(), line.size());
+      // not wait for a writer that does not exist. Records for the handler
+      // go to stderr too: the handler never runs on the thread that logs.
+      for (Entry& e : queue_) {
+        if (e.line.empty()) format_locked(e);
+        write_fully(e.line.data(), e.line.size());
+      }
       queue_.clear();
       queued_bytes_ = 0;
     }
   }
   void run() {
-    std::deque<std::string> batch;
+    std::deque<Entry> batch;
     std::unique_lock lk(mu_);
     running_ = true;
     for (;;) {
@@ -127,27 +187,76 @@ class AsyncStderrSink final : public spdlog::sinks::sink {
       idle_ = false;
       batch.swap(queue_);
       queued_bytes_ = 0;
-      const std::uint64_t dropped = std::exchange(dropped_, 0);
-      std::string note;
-      if (dropped) note = fmt::format("spindle: dropped {} log line(s): stderr is not keeping up\n", dropped);
+      if (const std::uint64_t dropped = std::exchange(dropped_, 0)) {
+        Entry& note = batch.emplace_back();
+        if (has_handler_.load(std::memory_order_acquire)) {
+          note.level = spdlog::level::warn;
+          note.time = spdlog::log_clock::now();
+          note.logger = "spindle";
+          note.text = fmt::format("dropped {} log line(s): the log handler is not keeping up", dropped);
+        } else {
+          note.line = fmt::format("spindle: dropped {} log line(s): stderr is not keeping up\n", dropped);
+        }
+      }
       writing_ = true;
-      // Outside the lock this thread only calls write(2): it allocates and
-      // frees under mu_, so a fork (which holds mu_, see hold_for_fork) never
-      // copies an allocator lock this thread held into the child.
+      // Outside mu_ this thread only calls write(2), and the log handler
+      // under deliver_mu_: it allocates and frees under one of the two, so a
+      // fork (which holds both, see hold_for_fork) never copies an allocator
+      // lock this thread held into the child.
       lk.unlock();
-      for (const std::string& line : batch) write_fully(line.data(), line.size());
-      write_fully(note.data(), note.size());
+      for (Entry& e : batch) {
+        if (e.line.empty()) deliver(e);
+        write_fully(e.line.data(), e.line.size());
+      }
       lk.lock();
       batch.clear();
       writing_ = false;
     }
+  }
+  // A record's parts as the line stderr would have had (under mu_).
+  void format_locked(Entry& e) {
+    spdlog::details::log_msg msg(e.time, spdlog::source_loc{}, e.logger, e.level, e.text);
+    spdlog::memory_buf_t buf;
+    formatter_->format(msg, buf);
+    e.line.assign(buf.data(), buf.size());
+  }
+  // Hands one record to the handler. If the handler is gone since the record
+  // was queued, formats it into e.line (under mu_) for stderr instead.
+  void deliver(Entry& e) {
+    char failed[256];
+    failed[0] = '\0';
+    {
+      std::lock_guard dl(deliver_mu_);
+      if (std::shared_ptr<const LogHandler> h = handler_) {
+        LogRecord r{public_level(e.level), e.logger, e.text,
+                    std::chrono::time_point_cast<std::chrono::system_clock::duration>(e.time)};
+        t_delivering = true;
+        try {
+          (*h)(r);
+        } catch (const std::exception& x) {
+          std::snprintf(failed, sizeof failed, "spindle: the log handler threw (a record is lost): %s\n", x.what());
+        } catch (...) {
+          std::snprintf(failed, sizeof failed, "spindle: the log handler threw (a record is lost)\n");
+        }
+        t_delivering = false;
+      } else {
+        std::lock_guard lk(mu_);
+        format_locked(e);
+      }
+    }
+    write_fully(failed, std::strlen(failed));
   }
 
   const pid_t owner_;
   std::mutex mu_;
   std::condition_variable cv_, drained_;
   std::unique_ptr<spdlog::formatter> formatter_;
-  std::deque<std::string> queue_;
+  std::deque<Entry> queue_;
+  // The handler, under deliver_mu_ (taken before mu_ when both are held);
+  // has_handler_ mirrors it for log(), which takes only mu_.
+  std::mutex deliver_mu_;
+  std::shared_ptr<const LogHandler> handler_;
+  std::atomic<bool> has_handler_{false};
   std::size_t queued_bytes_ = 0;
   std::uint64_t dropped_ = 0;
   std::atomic<std::uint64_t> total_dropped_{0};
@@ -207,6 +316,11 @@ std::shared_ptr<spdlog::sinks::sink> stderr_sink() {
     delete mine;  // another thread installed one first: s is now that one
   }
   return std::shared_ptr<spdlog::sinks::sink>(s, [](spdlog::sinks::sink*) {});
+}
+
+void install_log_handler(std::shared_ptr<const LogHandler> handler) {
+  stderr_sink();  // this process's sink, made if needed
+  g_sink.load(std::memory_order_acquire)->set_handler(std::move(handler));
 }
 
 std::uint64_t stderr_lines_dropped() {

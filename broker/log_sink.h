@@ -15,6 +15,15 @@
 // its lines directly; the process id tells which case applies.
 // At exit, an atexit hook gives the writer up to one second to drain.
 //
+// A log handler (<spindle/log.h>) plugs in behind the same queue: while one
+// is installed, log() queues the record's parts (level, time, logger name,
+// text) instead of a formatted line, and the writer thread hands them to the
+// handler one at a time, under a delivery lock of its own that the fork
+// guard takes as well (before the queue's), so a fork waits for a handler
+// call in progress and the child inherits none of the handler's locks held.
+// A record whose handler was removed before its turn is formatted and
+// written to stderr. Dropped-line notes go to the handler as warnings.
+//
 // Thread safety: any thread. Ownership: the sink of each process lives until
 // exit (its writer thread is detached); the shared_ptr handed out does not own it.
 #pragma once
@@ -23,6 +32,8 @@
 
 #include <cstdint>
 #include <memory>
+
+#include "spindle/log.h"
 
 namespace spindle {
 
@@ -38,5 +49,10 @@ void install_log_fork_guard();
 
 // How many lines the stderr sink of this process has dropped so far.
 std::uint64_t stderr_lines_dropped();
+
+// Installs `handler` (null: none, back to stderr) on this process's sink.
+// Returns once the handler it replaces is no longer running (at once when
+// called from inside a handler).
+void install_log_handler(std::shared_ptr<const LogHandler> handler);
 
 }  // namespace spindle

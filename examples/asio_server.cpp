@@ -1,15 +1,19 @@
-// asio_server: Spindle inside a program that already runs its own Asio loop.
+// asio_server: Spindle hosted inside a program that already runs its own
+// Asio loop.
 //
 // A line-based TCP server on 127.0.0.1 (an ephemeral port) answers each
-// number it reads with its square, computed by a forked child. Each
-// connection is a coroutine on the server's own io_context, which awaits
-// the child with `co_await child.async_call(square, n, asio::use_awaitable)`:
-// the server's thread runs only its own loop, and Spindle's broker thread
-// delivers the answers to it. To be self-checking, the example then
-// connects to itself, sends three numbers, checks the three answers and
-// exits 0.
+// number it reads with its square, computed by a forked child. Spindle runs
+// on the server's own io_context (spindle::hosted_runtime): there is one
+// thread, the server's, and no broker thread beside it. Each connection is a
+// coroutine on that loop, which awaits the child with
+// `co_await child.async_call(square, n, asio::use_awaitable)`. To be
+// self-checking, the example then connects to itself, sends three numbers,
+// checks the three answers, shuts Spindle down (`co_await
+// rt.async_shutdown(...)`), closes its acceptor, and run() returns: exit 0.
 #include <cstdio>
 #include <string>
+
+#include <optional>
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
@@ -63,9 +67,10 @@ asio::awaitable<void> accept_loop(tcp::acceptor& acceptor, spindle::Context chil
   }
 }
 
-// The self-check: three numbers through the server.
-asio::awaitable<void> client(tcp::endpoint at, int& failures, asio::io_context& ioc) {
-  tcp::socket s(ioc);
+// The self-check: three numbers through the server, then an orderly end.
+asio::awaitable<void> client(tcp::acceptor& acceptor, int& failures, spindle::Runtime& rt) {
+  tcp::socket s(acceptor.get_executor());
+  tcp::endpoint at = acceptor.local_endpoint();
   co_await s.async_connect(at, asio::use_awaitable);
   asio::streambuf in;
   for (long n : {3L, 12L, 40000L}) {
@@ -77,22 +82,26 @@ asio::awaitable<void> client(tcp::endpoint at, int& failures, asio::io_context& 
     std::printf("client: %ld -> %s\n", n, line.c_str());
     if (line != std::to_string(n * n)) ++failures;
   }
-  ioc.stop();
+  co_await rt.async_shutdown(asio::use_awaitable);  // the child is told, and exits
+  acceptor.close();  // the last work on the loop: run() returns
 }
 
 }  // namespace
 
 int main() {
-  spindle::Runtime rt;
+  asio::io_context ioc{1};
+  // Made on the thread that runs ioc below: that thread is Spindle's loop.
+  spindle::Runtime rt = spindle::hosted_runtime(ioc);
   spindle::Child child = rt.fork_child(child_main, {.name = "squarer"});
 
-  asio::io_context ioc{1};
   tcp::acceptor acceptor(ioc, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
   std::printf("serving on %s:%u\n", acceptor.local_endpoint().address().to_string().c_str(),
               acceptor.local_endpoint().port());
   int failures = 0;
   asio::co_spawn(ioc, accept_loop(acceptor, child), asio::detached);
-  asio::co_spawn(ioc, client(acceptor.local_endpoint(), failures, ioc), asio::detached);
+  asio::co_spawn(ioc, client(acceptor, failures, rt), asio::detached);
   ioc.run();
-  return failures == 0 ? 0 : 1;
+  std::optional<int> status = child.wait_exit();
+  std::printf("child exited: %s\n", status && *status == 0 ? "cleanly" : "not cleanly");
+  return failures == 0 && status && *status == 0 ? 0 : 1;
 }

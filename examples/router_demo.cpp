@@ -3,33 +3,29 @@
 //
 // Each worker registers a name ("upper-0".."upper-2") as it connects and
 // serves the typed function `upper`. This process finds the workers by name
-// (find("upper-*")), calls each, calls the router's ping service, prints the
-// router's stats (what `spindle-ctl stats` shows), then stops the router
-// with SIGTERM: the router tells its clients, the workers' links end, their
-// serve() returns, and they exit. Exit status 0 only if every answer was
+// (find("upper-*")), calls each, calls the router's ping service and prints
+// the router's stats (what `spindle-ctl stats` shows; both through
+// <spindle/router_services.h>), then stops the router with SIGTERM: the
+// router tells its clients, the workers' links end, their serve() returns,
+// and they exit. Exit status 0 only if every answer was
 // right and every process ended cleanly.
-#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <fmt/format.h>
-
-#include "broker/errors.h"
-#include "broker/log.h"
-#include "router/connect.h"
-#include "services/builtin.h"
-#include "services/client.h"
-#include "spindle/spindle.h"
+#include <spindle/spindle.h>
 
 extern char** environ;
 
@@ -43,7 +39,7 @@ inline constexpr spindle::method<std::string(std::string)> upper{"upper"};
 // A worker process: serves `upper` under its name until the router goes away.
 [[noreturn]] void worker(const std::string& socket, int index) {
   try {
-    Connection conn = Connection::open(socket, {.name = fmt::format("upper-{}", index)});
+    Connection conn = Connection::open(socket, {.name = "upper-" + std::to_string(index)});
     conn.expose(upper, [](std::string s) {
       for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
       return s;
@@ -57,10 +53,23 @@ inline constexpr spindle::method<std::string(std::string)> upper{"upper"};
   }
 }
 
+// Whether a UNIX socket at `path` accepts a connection (closed at once).
+bool accepts(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) return false;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  bool ok = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return ok;
+}
+
 }  // namespace
 
 int main() {
-  std::string dir = fmt::format("/tmp/spindle-demo-{}", ::getpid());
+  std::string dir = "/tmp/spindle-demo-" + std::to_string(::getpid());
   std::filesystem::create_directory(dir);
   std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
   std::string socket = dir + "/router.sock";
@@ -70,19 +79,21 @@ int main() {
   std::vector<char*> argv{binary.data(), const_cast<char*>("--socket"), socket.data(), nullptr};
   pid_t router_pid = -1;
   if (int rc = ::posix_spawn(&router_pid, binary.c_str(), nullptr, nullptr, argv.data(), environ)) {
-    std::fprintf(stderr, "cannot start spindle-router: %s\n", errno_text(rc));
+    std::fprintf(stderr, "cannot start spindle-router: %s\n", std::strerror(rc));
     return 1;
   }
+  // Up once its socket accepts. A plain connect() probes it: a Connection
+  // would start a broker thread, and the workers are forked below, before
+  // this process has any thread.
   bool up = false;
   for (int i = 0; i < 500 && !up; ++i) {
-    try {
-      ::close(connect_unix(UnixAddress::parse(socket)));
-      up = true;
-    } catch (const Error&) {
-      std::this_thread::sleep_for(20ms);
-    }
+    up = accepts(socket);
+    if (!up) std::this_thread::sleep_for(20ms);
   }
-  if (!up) return 1;
+  if (!up) {
+    std::fprintf(stderr, "spindle-router does not accept on %s\n", socket.c_str());
+    return 1;
+  }
 
   std::vector<pid_t> workers;
   for (int i = 0; i < 3; ++i) {  // forked before this process starts any thread
@@ -104,18 +115,18 @@ int main() {
     std::printf("\n");
     failures += found.size() != workers.size();
     for (auto& w : found) {
-      std::string text = fmt::format("hello, {}", w.name());
+      std::string text = "hello, " + w.name();
       std::string back = w.call(upper, text);
       std::printf("  upper(\"%s\") at %s -> \"%s\"\n", text.c_str(), w.name().c_str(), back.c_str());
       std::string want = text;
       for (char& c : want) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
       failures += back != want;
     }
-    std::string pong = services::call_text(me.router_context(), "ping", "echo", "ping", 10s);
+    std::string pong = router_ping(me.router_context(), "ping", 10s);
     std::printf("  the router's ping service answered \"%s\"\n", pong.c_str());
     failures += pong != "ping";
     std::printf("\nthe router's stats (spindle-ctl --socket %s stats --raw):\n%s\n", socket.c_str(),
-                services::call_text(me.router_context(), "stats", "get", {}, 10s).c_str());
+                router_stats(me.router_context(), 10s).c_str());
   }
 
   std::printf("stopping the router with SIGTERM\n");

@@ -3,9 +3,12 @@
 // child, and its children do not hold that memory.
 //
 // The zygote is started first thing in main, while the process is small.
-// Each worker is a plain function that gets its shard name as bytes; the
-// parent calls every worker, prints what each reports (its shard, its parent
-// pid, its resident memory), stops them and prints their exit statuses.
+// Each worker is a plain function that gets its shard name as bytes and
+// serves the typed function `report`; the parent calls every worker, prints
+// what each reports (its shard, its parent pid, its resident memory), stops
+// them and prints their exit statuses. Exit status 0 only if every worker
+// is this process's child, holds far less than the table, and exited 0.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -16,13 +19,19 @@
 #include <string_view>
 #include <vector>
 
-#include <fmt/format.h>
-
-#include "broker/log.h"
-#include "router/zygote.h"
+#include <spindle/spindle.h>
 
 namespace {
-constexpr std::uint32_t kReport = 2000;
+
+struct Report {
+  std::string shard;
+  long pid = 0;
+  long parent = 0;
+  long resident_kib = 0;
+  MSGPACK_DEFINE_MAP(shard, pid, parent, resident_kib)
+};
+
+inline constexpr spindle::method<Report()> report{"report"};
 
 long resident_kib() {
   std::ifstream in("/proc/self/status");
@@ -31,18 +40,15 @@ long resident_kib() {
   return -1;
 }
 
-// A worker: runs in the child, on the child's main thread.
+// A worker: runs in the child, on the child's main thread. A plain function,
+// not a closure: the zygote's copy of this process has no later objects.
 int worker(spindle::ChildEnv& env, std::string_view shard) {
-  auto& r = env.router();
-  r.add_handler(
-      [&r, shard = std::string(shard)](spindle::Message&& m) {
-        r.reply(m, spindle::Payload::copy_of(fmt::format("shard {} pid {} parent {} resident {} KiB", shard,
-                                                         ::getpid(), ::getppid(), resident_kib())));
-      },
-      {}, kReport);
-  env.serve();
-  return 0;
+  env.expose(report, [shard = std::string(shard)] {
+    return Report{shard, ::getpid(), ::getppid(), resident_kib()};
+  });
+  return env.serve();
 }
+
 }  // namespace
 
 int main() {
@@ -51,21 +57,27 @@ int main() {
   std::vector<char> table(256u << 20);  // the parent grows
   std::memset(table.data(), 7, table.size());
 
-  spindle::Broker broker;
-  spindle::Router router(broker, spindle::RouterOptions{.name = "parent"});
-  std::vector<spindle::Context> workers;
+  spindle::Runtime rt({.name = "parent"});
+  std::vector<spindle::Child> workers;
   for (int i = 0; i < 4; ++i)
-    workers.push_back(zygote->fork_child(router, worker, fmt::format("s{}", i), {.name = fmt::format("worker-{}", i), .router = {}}));
+    workers.push_back(zygote->fork_child(rt, worker, "s" + std::to_string(i),
+                                         {.name = "worker-" + std::to_string(i)}));
 
-  std::printf("parent pid %d, resident %ld KiB\n", ::getpid(), resident_kib());
-  for (auto& w : workers) std::printf("%s: %s\n", w.name().c_str(), w.call(kReport, std::string_view{}).c_str());
-  for (auto& w : workers) w.shutdown();
   int failures = 0;
+  const long mine = resident_kib();
+  std::printf("parent pid %d, resident %ld KiB\n", ::getpid(), mine);
   for (auto& w : workers) {
-    auto st = w.wait_exit(std::chrono::seconds(10));
+    Report r = w.call(report);
+    std::printf("%s: shard %s pid %ld parent %ld resident %ld KiB\n", w.name().c_str(), r.shard.c_str(),
+                r.pid, r.parent, r.resident_kib);
+    if (r.parent != ::getpid() || r.pid != w.pid()) ++failures;  // our child, not the zygote's
+    if (r.resident_kib <= 0 || r.resident_kib >= (256 << 10) / 2) ++failures;  // no copy of the table
+  }
+  for (auto& w : workers) {
+    int st = w.stop();  // SHUTDOWN, grace, reap
     std::printf("%s (pid %d): %s\n", w.name().c_str(), w.pid(),
-                st ? spindle::describe_wait_status(*st).c_str() : "did not exit in time");
-    if (!st || *st != 0) ++failures;
+                WIFEXITED(st) ? ("exit " + std::to_string(WEXITSTATUS(st))).c_str() : "did not exit cleanly");
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) ++failures;
   }
   return failures == 0 && table[12345] == 7 ? 0 : 1;
 }

@@ -86,8 +86,14 @@ void Router::arm_call_timer() {
   if (!next || *next >= call_timer_at_) return;
   call_timer_at_ = *next;
   call_timer_.expires_at(*next);  // cancels a wait armed for a later deadline
-  call_timer_.async_wait([this](const std::error_code& ec) {
+  // link_: a hosted loop (the application's) may run this after the router
+  // is gone, if the timer fired just before it was destroyed.
+  call_timer_.async_wait([this, link = link_](const std::error_code& ec) {
     if (ec == asio::error::operation_aborted) return;
+    {
+      std::shared_lock lk(link->mu);
+      if (!link->router) return;
+    }
     call_timer_at_ = Clock::time_point::max();
     calls_.expire(Clock::now(), [this](std::uint32_t callee) {
       return std::make_exception_ptr(TimeoutError(fmt::format(

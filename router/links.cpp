@@ -318,7 +318,12 @@ void Router::on_shutdown_deadline() {
 }
 
 void Router::maybe_drained() {
-  if (shutting_down_ && links_.empty() && !hold_unknown_) broker_.participant_drained(this);
+  if (!shutting_down_ || !links_.empty() || hold_unknown_) return;
+  // Nothing can answer a call any more: its deadline timer must not keep a
+  // hosted loop (the application's io_context) running for up to 30 s.
+  call_timer_.cancel();
+  call_timer_at_ = Clock::time_point::max();
+  broker_.participant_drained(this);
 }
 
 }  // namespace spindle

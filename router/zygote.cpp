@@ -321,4 +321,9 @@ Context Zygote::fork_child(Router& parent, ZygoteMain main, std::string_view arg
   return detail::adopt_child(parent, sv[0], sv[0], id, name, reply.pid);
 }
 
+Child Zygote::fork_child(Runtime& rt, ZygoteMain main, std::string_view arg, ChildOptions opts) {
+  auto grace = opts.grace;
+  return Child(fork_child(rt.router(), main, arg, std::move(opts)), grace);
+}
+
 }  // namespace spindle

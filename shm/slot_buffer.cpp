@@ -103,17 +103,6 @@ void validate(const SlotBufferHeader& h, std::uint64_t file_size) {
 
 }  // namespace
 
-std::string_view to_string(SlotStatus s) {
-  switch (s) {
-    case SlotStatus::kOk: return "ok";
-    case SlotStatus::kEmpty: return "empty";
-    case SlotStatus::kBusy: return "busy";
-    case SlotStatus::kAbandoned: return "abandoned";
-    case SlotStatus::kTooSmall: return "too small";
-  }
-  return "?";
-}
-
 std::unique_ptr<SlotBuffer> SlotBuffer::create(const SlotGeometry& g) {
   std::uint64_t stride = stride_for(g.slot_size);
   std::uint64_t total = total_for(g.slot_count, stride);

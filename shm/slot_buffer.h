@@ -30,6 +30,7 @@
 
 #include "broker/errors.h"
 #include "shm/seqlock.h"
+#include "spindle/slots.h"
 
 namespace spindle {
 
@@ -58,14 +59,8 @@ class SlotBufferError : public Error {
 
 namespace shm {
 
-enum class SlotStatus {
-  kOk,         // read: a consistent copy; write: published
-  kEmpty,      // read: never written (or a writer gave up without committing)
-  kBusy,       // a live writer held the slot for longer than the wait bound
-  kAbandoned,  // read: the slot's writer died inside it; a write reclaims it
-  kTooSmall,   // read: the caller's buffer is shorter than the stored length
-};
-std::string_view to_string(SlotStatus s);
+// The public statuses (<spindle/slots.h>), one enum for both layers.
+using ::spindle::SlotStatus;
 
 struct SlotGeometry {
   std::size_t slot_count = 0;

@@ -358,6 +358,7 @@ void Stream::arm_read() {
                    self->read_armed_ = false;
                    if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed)
                      return;
+                   self->broker_.check_loop_thread();
                    if (ec) return self->close(failure("wait for input", ec.value()));
                    self->do_read();
                  });
@@ -421,6 +422,7 @@ void Stream::arm_write() {
                         if (ec == asio::error::operation_aborted ||
                             self->state_ == StreamState::kClosed)
                           return;
+                        self->broker_.check_loop_thread();
                         if (ec) return self->close(failure("wait for output", ec.value()));
                         self->flush();
                       });
@@ -451,6 +453,7 @@ void Stream::queue_input_turn() {
   ++t_queued_input_turns;
   asio::post(broker_.io(), [self = shared_from_this()] {
     --t_queued_input_turns;
+    self->broker_.check_loop_thread();
     self->read_armed_ = false;
     self->input_turn();
   });

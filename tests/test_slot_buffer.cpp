@@ -15,8 +15,8 @@
 
 #include <gtest/gtest.h>
 
-#include "shm/records.h"
 #include "shm/slot_buffer.h"
+#include "spindle/slots.h"
 #include "tests/process_util.h"
 #include "tests/slot_test_util.h"
 
@@ -137,9 +137,9 @@ struct OtherRecord {
   std::int64_t value[4];
 };
 
+// Typed records go through the public RecordSlots (<spindle/slots.h>).
 TEST(SlotBuffer, RecordsRoundTripAndCheckTheirLayout) {
-  auto buffer = RecordSlots<Transition>::create(8);
-  RecordSlots<Transition> slots(*buffer);
+  auto slots = spindle::RecordSlots<Transition>::create(8);
   Transition t{};
   t.step = 42;
   t.action = -3;
@@ -147,7 +147,7 @@ TEST(SlotBuffer, RecordsRoundTripAndCheckTheirLayout) {
   t.reward = 0.5f;
   for (int i = 0; i < 12; ++i) t.observation[i] = static_cast<float>(i) * 1.5f;
   t.mask[4] = 9;
-  PushResult p = slots.push(t);
+  auto p = slots.push(t);
   EXPECT_EQ(p.status, SlotStatus::kOk);
   EXPECT_EQ(p.slot, 0u);
   EXPECT_EQ(slots.filled(), 1u);
@@ -156,10 +156,18 @@ TEST(SlotBuffer, RecordsRoundTripAndCheckTheirLayout) {
   EXPECT_EQ(std::memcmp(&back, &t, sizeof t), 0);
   EXPECT_EQ(slots.read(1, back), SlotStatus::kEmpty);
 
-  auto peer = SlotBuffer::attach(dup_fd(buffer->fd()));
-  expect_slot_error([&] { RecordSlots<OtherRecord> wrong(*peer); }, errtext::kSlotLayoutMismatch);
-  auto raw = SlotBuffer::create({8, sizeof(Transition)});  // untagged
-  expect_slot_error([&] { RecordSlots<Transition> wrong(*raw); }, errtext::kSlotLayoutMismatch);
+  auto expect_layout_error = [](auto&& fn) {
+    try {
+      fn();
+      ADD_FAILURE() << "a buffer of another layout was accepted";
+    } catch (const spindle::Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(errtext::kSlotLayoutMismatch, 0), 0u) << e.what();
+    }
+  };
+  expect_layout_error([&] { spindle::RecordSlots<OtherRecord>::attach(spindle::dup_fd(slots.buffer().fd())); });
+  expect_layout_error([] {  // untagged
+    spindle::RecordSlots<Transition>(spindle::SlotBuffer::create(8, sizeof(Transition)));
+  });
 }
 
 TEST(SlotBuffer, PushWrapsAroundTheRing) {

@@ -5,7 +5,8 @@
 #  - the umbrella header reaching no Asio, spdlog or Boost header;
 #  - pkg-config's flags carrying no -DASIO_*;
 #  - tests/consumer configured with find_package(spindle COMPONENTS asio),
-#    built and run.
+#    built and run; and its second program, with the boost_asio and spdlog
+#    components.
 # Usage: run.sh <build dir> <source dir> <c++ compiler>
 set -euo pipefail
 build=$1 src=$2 cxx=$3
@@ -45,3 +46,4 @@ cmake -S "$src/tests/consumer" -B "$tmp/consumer" -DCMAKE_PREFIX_PATH="$prefix" 
   -DCMAKE_CXX_COMPILER="$cxx" > "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }
 cmake --build "$tmp/consumer" -j2 > "$tmp/build.log" 2>&1 || { cat "$tmp/build.log"; exit 1; }
 "$tmp/consumer/consumer"
+"$tmp/consumer/consumer_boost_spdlog"
