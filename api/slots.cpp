@@ -42,13 +42,11 @@ SlotStatus SlotBuffer::write(std::size_t slot, std::span<const std::byte> data) 
 }
 
 SlotBuffer::PushResult SlotBuffer::push(std::span<const std::byte> data) {
-  shm::PushResult r = impl_->push(data);
-  return {r.status, r.slot};
+  return impl_->push(data);
 }
 
 SlotBuffer::ReadResult SlotBuffer::read(std::size_t slot, std::span<std::byte> out) const {
-  shm::ReadResult r = impl_->read(slot, out);
-  return {r.status, r.length};
+  return impl_->read(slot, out);
 }
 
 }  // namespace spindle

@@ -68,15 +68,8 @@ struct SlotGeometry {
   std::uint64_t layout_tag = 0;  // what the slots hold; checked by RecordSlots
 };
 
-struct ReadResult {
-  SlotStatus status;
-  std::size_t length;  // bytes stored in the slot (kOk, kTooSmall)
-};
-
-struct PushResult {
-  SlotStatus status;
-  std::size_t slot;
-};
+using ReadResult = ::spindle::SlotBuffer::ReadResult;  // the public results too
+using PushResult = ::spindle::SlotBuffer::PushResult;
 
 // The header at offset 0 of the mapping. Public for tests that corrupt it.
 struct SlotBufferHeader {

@@ -39,6 +39,7 @@
 
 #include "broker/broker.h"
 #include "broker/log.h"
+#include "tests/named_worker.h"
 #include "tests/router_fixture.h"
 
 namespace spindle {
@@ -48,25 +49,6 @@ using namespace testutil;
 using namespace std::chrono_literals;
 
 // --- async_find with completion tokens ---
-
-inline constexpr method<std::string(std::string)> upper{"upper"};
-
-struct Worker {
-  Worker(const std::string& socket, const std::string& name)
-      : conn(Connection::open(socket, {.name = name})) {
-    conn.expose(upper, [name](std::string s) {
-      std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::toupper(c); });
-      return name + ":" + s;
-    }, Allow::kAnyone);
-    thread = std::thread([this] { conn.serve(); });
-  }
-  ~Worker() {
-    conn.close();
-    thread.join();
-  }
-  Connection conn;
-  std::thread thread;
-};
 
 class AsyncFind : public RouterFixture {
  protected:

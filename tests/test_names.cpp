@@ -13,6 +13,7 @@
 #include <spindle/connection.h>
 #include <spindle/spindle.h>
 
+#include "tests/named_worker.h"
 #include "tests/router_fixture.h"
 
 namespace spindle {
@@ -20,26 +21,6 @@ namespace {
 
 using namespace testutil;
 using namespace std::chrono_literals;
-
-inline constexpr method<std::string(std::string)> upper{"upper"};
-
-// A worker: a client named `name` serving `upper` on a thread of its own.
-struct Worker {
-  Worker(const std::string& socket, const std::string& name)
-      : conn(Connection::open(socket, {.name = name})) {
-    conn.expose(upper, [name](std::string s) {
-      std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::toupper(c); });
-      return name + ":" + s;
-    }, Allow::kAnyone);
-    thread = std::thread([this] { conn.serve(); });
-  }
-  ~Worker() {
-    conn.close();
-    thread.join();
-  }
-  Connection conn;
-  std::thread thread;
-};
 
 class Names : public RouterFixture {
  protected:
