@@ -1,0 +1,97 @@
+// The pybind11 extension spindle._spindle: declarations shared by its files.
+//
+// Role: the thin C++ layer under the Python package python/spindle/. It
+//  - converts Python values to the msgpack of typed calls and back
+//    (convert.cpp), with pickle as an ext type for what msgpack cannot hold;
+//  - wraps Runtime, Connection, Context, Child and ChildEnv
+//    (runtime_objects.cpp), releasing the GIL wherever C++ may wait;
+//  - hands completions from the broker thread to Python through a queue
+//    (Completions): no Python code, and no Python reference count, is ever
+//    touched on the broker thread.
+// Thread: every function here is entered from Python with the GIL held.
+// Ownership: the wrappers own their C++ objects; abandon() leaks them on
+// purpose in a forked child, whose copies refer to threads that do not
+// exist there.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string>
+
+#include <spindle/spindle.h>
+
+namespace spindle::python {
+
+namespace py = pybind11;
+
+// msgpack ext type of a pickled Python object (pickle protocol 5 bytes).
+inline constexpr std::int8_t kPickleExtType = 80;
+
+// Python value -> msgpack. An object msgpack cannot hold is pickled with
+// `pickler` (a callable returning bytes) into ext type 80; with pickler
+// None it is a TypeError.
+Payload pack(py::handle obj, py::handle pickler);
+// msgpack -> Python value. The bytes of ext type 80 are passed to
+// `unpickler` (the package passes pickle.loads, or a function that raises
+// spindle.PickleRefusedError where pickle is not accepted).
+py::object unpack(const Payload& bytes, py::handle unpickler);
+py::bytes to_bytes(const Payload& p);
+Payload from_bytes(py::handle b);  // bytes, bytearray or memoryview
+
+// How a call ended, as a tuple the package turns into a result or an
+// exception: (kind, a, b) with kind one of these.
+enum Outcome : int {
+  kOk = 0,          // a: the result as bytes
+  kCallError = 1,   // a: remote type, b: remote message
+  kChannel = 2,     // a: the reason
+  kTimeout = 3,     // a: text
+  kShutdown = 4,    // a: text
+  kOtherError = 5,  // a: text
+};
+py::tuple outcome_of(std::exception_ptr e);
+
+// Completions of asynchronous calls, from the broker thread to the Python
+// thread that waits in get(). push() takes only a C++ lock.
+class Completions {
+ public:
+  struct Item {
+    std::uint64_t token;
+    std::exception_ptr error;
+    Payload result;
+  };
+  void push(Item item);
+  // Waits (GIL released) for the next completion: (token, outcome), or None
+  // once close() was called and the queue is empty.
+  py::object get();
+  void close();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> items_;
+  bool closed_ = false;
+};
+
+// A Python callable kept alive from C++ code that may drop it on a thread
+// without the GIL: the last release takes the GIL.
+class PyRef {
+ public:
+  explicit PyRef(py::handle h) : p_(h.ptr()) { Py_XINCREF(p_); }
+  ~PyRef();
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  py::handle get() const { return p_; }
+
+ private:
+  PyObject* p_;
+};
+
+void bind_runtime_objects(py::module_& m);
+
+}  // namespace spindle::python

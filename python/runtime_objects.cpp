@@ -1,0 +1,371 @@
+// The extension's wrappers of Runtime, Connection, Context, Child and
+// ChildEnv, and the completion queue (see binding.h).
+//
+// GIL rules, which keep the broker thread free of Python:
+//  - every call that may wait on the broker (a blocking call, spawn, stop,
+//    find, close, serve) releases the GIL first;
+//  - a completion on the broker thread only pushes onto Completions (a C++
+//    lock); Completions::get() releases the GIL while it waits and takes the
+//    GIL back only after dropping its lock, so the broker never waits for a
+//    thread that waits for the GIL;
+//  - fork() holds the GIL across Runtime::fork_child, as os.fork does
+//    (PyOS_BeforeFork / AfterFork_Parent / AfterFork_Child), which is safe
+//    because the broker thread, which fork_child parks, never needs it.
+#include "binding.h"
+
+#include <Python.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <spindle/connection.h>
+
+namespace spindle::python {
+
+// The exception an exposed Python function's failure becomes on the wire:
+// its SE type is this class's name, and its text is what the package's
+// handler formatted ("Type: message" and the traceback; see __init__.py).
+struct PythonException : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+namespace {
+
+std::chrono::milliseconds to_ms(double seconds) {
+  if (!(seconds > 0)) throw py::value_error("spindle: a timeout must be a positive number of seconds");
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
+
+struct PyContext {
+  Context ctx;
+
+  py::tuple call(const std::string& name, py::handle args, double timeout) const {
+    Payload a = from_bytes(args);
+    Context c = ctx.with_timeout(to_ms(timeout));
+    std::exception_ptr error;
+    Payload result;
+    {
+      py::gil_scoped_release nogil;
+      try {
+        result = c.call_named(name, std::move(a));
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (error) return outcome_of(error);
+    return py::make_tuple(static_cast<int>(kOk), to_bytes(result), py::none());
+  }
+
+  void start_call(const std::string& name, py::handle args, double timeout,
+                  std::shared_ptr<Completions> queue, std::uint64_t token) const {
+    Payload a = from_bytes(args);
+    Context c = ctx.with_timeout(to_ms(timeout));
+    py::gil_scoped_release nogil;
+    c.start_call(name, std::move(a), [queue = std::move(queue), token](std::exception_ptr e, Payload r) {
+      queue->push({token, std::move(e), std::move(r)});  // broker thread: C++ only
+    });
+  }
+};
+
+// Destroys `owned` without the GIL: its destructor may wait (for a child to
+// exit, a broker to stop), and the thread that waits must not hold the
+// interpreter. At interpreter exit the GIL stays held (nothing else runs).
+template <class T>
+void destroy_without_gil(std::unique_ptr<T>& owned) {
+  if (!owned) return;
+  if (Py_IsInitialized() && !_Py_IsFinalizing() && PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    owned.reset();
+  } else {
+    owned.reset();
+  }
+}
+
+struct PyChild {
+  std::unique_ptr<Child> child;
+
+  PyChild(std::unique_ptr<Child> c) : child(std::move(c)) {}
+  PyChild(PyChild&&) = default;
+  ~PyChild() { destroy_without_gil(child); }
+
+  Child& get() {
+    if (!child) throw py::value_error("spindle: this child was abandoned after a fork");
+    return *child;
+  }
+  int stop() {
+    Child& c = get();
+    py::gil_scoped_release nogil;
+    return c.stop();
+  }
+  // In an os.fork() child: the copy refers to the parent's broker, whose
+  // thread does not exist here; its destructor would wait for it.
+  void abandon() { (void)child.release(); }
+};
+
+struct PyChildEnv {
+  ChildEnv* env;  // valid while the child's main (or its Connection) runs
+
+  void expose(const std::string& name, bool anyone, py::object fn) {
+    auto ref = std::make_shared<PyRef>(fn);
+    env->expose_encoded(name, anyone ? Allow::kAnyone : Allow::kParent,
+                        [ref](const Payload& args) -> Payload {
+                          // A worker or serve() thread, never the broker's.
+                          py::gil_scoped_acquire gil;
+                          std::string failure;
+                          try {
+                            // The package's handler: (True, result bytes) or
+                            // (False, the formatted exception).
+                            py::tuple r = ref->get()(to_bytes(args));
+                            if (r[0].cast<bool>()) return from_bytes(r[1]);
+                            failure = r[1].cast<std::string>();
+                          } catch (py::error_already_set& e) {
+                            // Only if the handler itself failed; the Python
+                            // error must not outlive the GIL held here.
+                            failure = e.what();
+                          }
+                          throw PythonException(failure);
+                        });
+  }
+  int serve() {
+    py::gil_scoped_release nogil;
+    return env->serve();
+  }
+};
+
+// Runs the package's child main (a Python callable taking a ChildEnv) and
+// gives its exit code; a Python exception is printed and exits 1.
+int run_python_main(PyObject* main, ChildEnv& env) {
+  try {
+    py::object rc = py::handle(main)(PyChildEnv{&env});
+    return rc.is_none() ? 0 : rc.cast<int>();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    PyErr_Print();
+    return 1;
+  }
+}
+
+struct PyRuntime {
+  std::unique_ptr<Runtime> rt;
+
+  PyRuntime(std::unique_ptr<Runtime> r) : rt(std::move(r)) {}
+  PyRuntime(PyRuntime&&) = default;
+  ~PyRuntime() { destroy_without_gil(rt); }
+
+  Runtime& get() {
+    if (!rt) throw py::value_error("spindle: this Router is closed");
+    return *rt;
+  }
+  PyChild fork(py::object main, const std::string& name) {
+    Runtime& r = get();
+    ChildOptions opts;
+    opts.name = name;
+    // Borrowed: the caller's frame keeps `main` alive across the fork, and
+    // a raw pointer can be copied without the GIL's reference counting.
+    PyObject* fn = main.ptr();
+    ChildMain child_main = [fn](ChildEnv& env) -> int {
+      // In the child, on the forking thread, whose thread state held the
+      // GIL at the fork: Python's own after-fork work comes first.
+      PyOS_AfterFork_Child();
+      return run_python_main(fn, env);
+    };
+    PyOS_BeforeFork();
+    try {
+      auto c = std::make_unique<Child>(r.fork_child(std::move(child_main), std::move(opts)));
+      PyOS_AfterFork_Parent();
+      return PyChild{std::move(c)};
+    } catch (...) {
+      PyOS_AfterFork_Parent();
+      throw;
+    }
+  }
+  PyChild spawn(const std::string& program, const std::vector<std::string>& args,
+                const std::string& name) {
+    Runtime& r = get();
+    ChildOptions opts;
+    opts.name = name;
+    py::gil_scoped_release nogil;
+    return PyChild{std::make_unique<Child>(r.spawn_child(program, args, std::move(opts)))};
+  }
+  void close() {
+    std::unique_ptr<Runtime> doomed = std::move(rt);
+    py::gil_scoped_release nogil;
+    doomed.reset();
+  }
+  void abandon() { (void)rt.release(); }
+};
+
+struct PyConnection {
+  std::unique_ptr<Connection> conn;
+  std::unique_ptr<ChildEnv> env;  // made on first use; goes before conn
+
+  PyConnection(std::unique_ptr<Connection> c) : conn(std::move(c)) {}
+  PyConnection(PyConnection&&) = default;
+  ~PyConnection() {
+    destroy_without_gil(env);
+    destroy_without_gil(conn);
+  }
+
+  Connection& get() {
+    if (!conn) throw py::value_error("spindle: this connection is closed");
+    return *conn;
+  }
+  PyChildEnv serving_env() {
+    Connection& c = get();
+    if (!env) env = std::make_unique<ChildEnv>(c.router(), c.broker());
+    return PyChildEnv{env.get()};
+  }
+  std::vector<PyContext> find(const std::string& pattern) {
+    Connection& c = get();
+    std::vector<Context> found;
+    {
+      py::gil_scoped_release nogil;
+      found = c.find(pattern);
+    }
+    std::vector<PyContext> out;
+    for (auto& f : found) out.push_back(PyContext{std::move(f)});
+    return out;
+  }
+  void close() {
+    std::unique_ptr<ChildEnv> e = std::move(env);
+    std::unique_ptr<Connection> doomed = std::move(conn);
+    py::gil_scoped_release nogil;
+    if (doomed) doomed->close();
+    e.reset();
+    doomed.reset();
+  }
+  void abandon() {
+    (void)env.release();
+    (void)conn.release();
+  }
+};
+
+}  // namespace
+
+PyRef::~PyRef() {
+  if (!p_) return;
+  if (!Py_IsInitialized()) return;  // at exit: the interpreter is gone, leak it
+  py::gil_scoped_acquire gil;
+  Py_DECREF(p_);
+}
+
+py::tuple outcome_of(std::exception_ptr e) {
+  auto t = [](Outcome k, const std::string& a, const std::string& b = {}) {
+    return py::make_tuple(static_cast<int>(k), py::bytes(a), py::bytes(b));
+  };
+  try {
+    std::rethrow_exception(e);
+  } catch (const CallError& x) {
+    return t(kCallError, x.type(), x.message());
+  } catch (const ChannelError& x) {
+    return t(kChannel, x.what());
+  } catch (const TimeoutError& x) {
+    return t(kTimeout, x.what());
+  } catch (const ShutdownError& x) {
+    return t(kShutdown, x.what());
+  } catch (const std::exception& x) {
+    return t(kOtherError, x.what());
+  } catch (...) {
+    return t(kOtherError, "a non-standard C++ exception");
+  }
+}
+
+void Completions::push(Item item) {
+  {
+    std::lock_guard lk(mu_);
+    items_.push_back(std::move(item));
+  }
+  cv_.notify_one();
+}
+
+py::object Completions::get() {
+  std::optional<Item> item;
+  {
+    py::gil_scoped_release nogil;  // taken back only after the lock is dropped
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return closed_ || !items_.empty(); });
+    if (!items_.empty()) {
+      item.emplace(std::move(items_.front()));
+      items_.pop_front();
+    }
+  }
+  if (!item) return py::none();  // closed
+  py::tuple outcome = item->error ? outcome_of(item->error)
+                                  : py::make_tuple(static_cast<int>(kOk), to_bytes(item->result), py::none());
+  return py::make_tuple(item->token, outcome);
+}
+
+void Completions::close() {
+  {
+    std::lock_guard lk(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+}
+
+void bind_runtime_objects(py::module_& m) {
+  py::class_<Completions, std::shared_ptr<Completions>>(m, "Completions")
+      .def(py::init<>())
+      .def("get", &Completions::get)
+      .def("close", &Completions::close);
+
+  py::class_<PyContext>(m, "Context")
+      .def_property_readonly("id", [](const PyContext& c) { return c.ctx.id(); })
+      .def_property_readonly("name", [](const PyContext& c) { return c.ctx.name(); })
+      .def_property_readonly("pid", [](const PyContext& c) { return c.ctx.pid(); })
+      .def("call", &PyContext::call)
+      .def("start_call", &PyContext::start_call);
+
+  py::class_<PyChild>(m, "Child")
+      .def("context", [](PyChild& c) { return PyContext{c.get().context()}; })
+      .def("stop", &PyChild::stop)
+      .def("abandon", &PyChild::abandon);
+
+  py::class_<PyChildEnv>(m, "ChildEnv")
+      .def_property_readonly("id", [](const PyChildEnv& e) { return e.env->id(); })
+      .def("expose", &PyChildEnv::expose)
+      .def("ready", [](PyChildEnv& e) { e.env->ready(); })
+      .def("serve", &PyChildEnv::serve);
+
+  py::class_<PyRuntime>(m, "Runtime")
+      .def(py::init([] {
+        py::gil_scoped_release nogil;
+        return PyRuntime{std::make_unique<Runtime>()};
+      }))
+      .def_property_readonly("id", [](PyRuntime& r) { return r.get().id(); })
+      .def("fork", &PyRuntime::fork)
+      .def("spawn", &PyRuntime::spawn)
+      .def("context", [](PyRuntime& r, std::uint32_t id) { return PyContext{r.get().context(id)}; })
+      .def("close", &PyRuntime::close)
+      .def("abandon", &PyRuntime::abandon);
+
+  py::class_<PyConnection>(m, "Connection")
+      .def(py::init([](const std::string& path, const std::string& name, double timeout) {
+        ConnectOptions opts;
+        opts.name = name;
+        opts.timeout = to_ms(timeout);
+        py::gil_scoped_release nogil;
+        return PyConnection{std::make_unique<Connection>(Connection::open(path, std::move(opts)))};
+      }))
+      .def_property_readonly("id", [](PyConnection& c) { return c.get().id(); })
+      .def("find", &PyConnection::find)
+      .def("context", [](PyConnection& c, std::uint32_t id) { return PyContext{c.get().context(id)}; })
+      .def("router_context", [](PyConnection& c) { return PyContext{c.get().router_context()}; })
+      .def("env", &PyConnection::serving_env, py::keep_alive<0, 1>())
+      .def("close", &PyConnection::close)
+      .def("abandon", &PyConnection::abandon);
+
+  m.def("run_spawned_child", [](py::object main) {
+    PyObject* fn = main.ptr();  // borrowed: the caller keeps it alive
+    py::gil_scoped_release nogil;
+    return run_spawned_child([fn](ChildEnv& env) {
+      py::gil_scoped_acquire gil;
+      return run_python_main(fn, env);
+    });
+  });
+}
+
+}  // namespace spindle::python
