@@ -1,0 +1,148 @@
+"""Calls from a Python parent to its Python children (forked and spawned)."""
+
+import asyncio
+import os
+import select
+import signal
+import threading
+
+import pytest
+
+import spindle
+import pyfuncs
+
+
+def test_module_function_runs_in_the_child(child):
+    assert child.call(pyfuncs.square, 7) == 49
+    assert child.call(pyfuncs.getpid) == child.pid != os.getpid()
+
+
+def test_keyword_arguments(child):
+    assert child.call(pyfuncs.add, 1, 2, c=3) == 6
+    assert child.call(pyfuncs.add, 1, b=10) == 11
+
+
+def test_msgpack_values_round_trip(child):
+    value = {"none": None, "t": True, "i": -5, "big": 2**63 + 1, "f": 1.5,
+             "s": "é", "b": b"\x00\xff", "l": [1, [2, 3]], "d": {"k": "v"}}
+    assert child.call(pyfuncs.echo, value) == value
+    assert child.call(pyfuncs.echo, (1, 2)) == [1, 2]  # msgpack has no tuples
+
+
+def test_pickle_between_parent_and_child(child):
+    p = child.call(pyfuncs.make_point, 2, 3)
+    assert isinstance(p, pyfuncs.Point) and p == pyfuncs.Point(2, 3)
+    assert child.call(pyfuncs.point_sum, pyfuncs.Point(4, 5)) == 9
+    assert child.call(pyfuncs.echo, {1, 2}) == {1, 2}
+    assert child.call(pyfuncs.echo, 2**70) == 2**70
+
+
+def test_exposed_python_function_by_name(router):
+    # A forked child has the parent's @spindle.expose registry; a spawned one
+    # imports the module that registers them.
+    forked = router.fork()
+    assert forked.call("py_square", 9) == 81
+    assert forked.call("greet", "ann") == "hello ann"
+    spawned = router.spawn(main="pyfuncs:custom_main")
+    assert spawned.call("custom.triple", 5) == 15
+    with pytest.raises(TypeError, match="positional"):
+        forked.call("greet", name="x")
+
+
+def test_fork_with_a_target(router):
+    c = router.fork(pyfuncs.custom_main)
+    assert c.call("custom.triple", 4) == 12
+    assert c.call(pyfuncs.square, 3) == 9  # serve() still takes module functions
+
+
+def test_remote_exception_is_a_call_error(child):
+    with pytest.raises(spindle.CallError) as info:
+        child.call(pyfuncs.boom, "no luck")
+    e = info.value
+    assert e.remote_type == "ValueError"
+    assert e.message == "no luck"
+    assert "in boom" in e.traceback and "raise ValueError(text)" in e.traceback
+    with pytest.raises(spindle.CallError) as info:
+        child.call("py_fail", "k") if child.name == "py-fork" else child.call(pyfuncs.py_fail, "k")
+    assert info.value.remote_type == "KeyError"
+
+
+def test_unknown_function(child):
+    with pytest.raises(spindle.ChannelError, match="unknown (method: fn.nope|service: fn)"):
+        child.call("nope")
+    with pytest.raises(spindle.CallError) as info:
+        child.call(pyfuncs.Point.__init__, 1)  # not reachable as a call: wrong arguments
+    assert info.value.remote_type == "TypeError"
+
+
+def test_local_functions_are_refused():
+    def inner():
+        pass
+    with spindle.Router() as r:
+        c = r.fork()
+        with pytest.raises(TypeError, match="module-level"):
+            c.call(inner)
+        with pytest.raises(TypeError, match="module-level"):
+            c.call(lambda: 1)
+
+
+def test_call_async_returns_a_future(child):
+    futures = [child.call_async(pyfuncs.square, i) for i in range(200)]
+    assert [f.result(timeout=30) for f in futures] == [i * i for i in range(200)]
+    bad = child.call_async(pyfuncs.boom, "async")
+    with pytest.raises(spindle.CallError, match="async"):
+        bad.result(timeout=30)
+
+
+def test_acall_for_asyncio(child):
+    async def main():
+        return await asyncio.gather(*(child.acall(pyfuncs.add, i, c=1) for i in range(20)))
+    assert asyncio.run(main()) == [i + 1 for i in range(20)]
+
+
+def test_timeout(child):
+    with pytest.raises(spindle.TimeoutError):
+        child.with_timeout(0.2).call(pyfuncs.slow, 2, "late")
+
+
+def test_calls_from_many_threads(child):
+    results = {}
+
+    def worker(k):
+        results[k] = [child.call(pyfuncs.add, k, i) for i in range(50)]
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {k: [k + i for i in range(50)] for k in range(4)}
+
+
+def test_killed_child_fails_pending_calls_at_once(child, tmp_path):
+    fifo = tmp_path / "started"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the child's open for writing succeeds
+    try:
+        pending = child.call_async(pyfuncs.block_forever, str(fifo))
+        ready, _, _ = select.select([reader], [], [], 30)
+        assert ready and os.read(reader, 1) == b"!", "the child never started the call"
+    finally:
+        os.close(reader)
+    queued = child.call_async(pyfuncs.square, 2)  # waits behind the blocked call
+    os.kill(child.pid, signal.SIGKILL)
+    for future in (pending, queued):
+        with pytest.raises(spindle.ChannelError) as info:
+            future.result(timeout=10)  # at once: well before the 30 s call timeout
+        assert str(info.value)  # the reason the router gave
+    with pytest.raises(spindle.ChannelError):
+        child.call(pyfuncs.square, 2)
+    assert os.WTERMSIG(child.stop()) == signal.SIGKILL
+
+
+def test_closed_router_raises_shutdown_error():
+    r = spindle.Router()
+    c = r.fork()
+    r.close()
+    with pytest.raises(spindle.ShutdownError):
+        c.call(pyfuncs.square, 2)

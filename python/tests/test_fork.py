@@ -1,0 +1,99 @@
+"""os.fork() of a process whose Spindle threads are busy, and router.fork()
+from a thread while others have calls in flight."""
+
+import os
+import threading
+
+import spindle
+import pyfuncs
+
+
+def _exit_code_of_child(fn):
+    """Runs fn() in an os.fork() child; returns its exit code (0: fn returned True)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if fn() else 3
+        except BaseException:  # noqa: B902 - reported through the exit code
+            import traceback
+            traceback.print_exc()
+            code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_os_fork_while_calls_are_in_flight():
+    with spindle.Router() as router:
+        child = router.fork()
+        stop = threading.Event()
+        errors = []
+
+        def hammer():
+            try:
+                while not stop.is_set():
+                    assert child.call(pyfuncs.square, 3) == 9
+                    child.call_async(pyfuncs.add, 1, 2)
+            except BaseException as exc:  # noqa: B902 - checked below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        slow = [child.call_async(pyfuncs.slow, 0.05, i) for i in range(5)]
+
+        def in_the_fork_child():
+            # The parent's Router is unusable here (its threads are gone);
+            # a new one works, with children of its own.
+            with spindle.Router() as again:
+                c = again.fork()
+                s = again.spawn()
+                return (c.call(pyfuncs.square, 5) == 25 and s.call(pyfuncs.square, 6) == 36
+                        and c.call_async(pyfuncs.add, 2, 2).result(timeout=30) == 4)
+
+        codes = [_exit_code_of_child(in_the_fork_child) for _ in range(3)]
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert codes == [0, 0, 0]
+        assert not errors
+        assert [f.result(timeout=30) for f in slow] == list(range(5))
+        assert child.call(pyfuncs.square, 4) == 16
+
+
+def test_inherited_router_is_closed_in_the_fork_child():
+    with spindle.Router() as router:
+        child = router.fork()
+
+        def in_the_fork_child():
+            try:
+                child.call(pyfuncs.square, 2)
+            except spindle.ShutdownError:
+                return True
+            return False
+
+        assert _exit_code_of_child(in_the_fork_child) == 0
+        assert child.call(pyfuncs.square, 2) == 4
+
+
+def test_router_fork_while_other_threads_call():
+    with spindle.Router() as router:
+        first = router.fork()
+        stop = threading.Event()
+
+        def hammer():
+            while not stop.is_set():
+                assert first.call(pyfuncs.square, 3) == 9
+
+        threads = [threading.Thread(target=hammer) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            children = [router.fork(name=f"w{i}") for i in range(5)]
+            assert [c.call(pyfuncs.square, i) for i, c in enumerate(children)] == [i * i for i in range(5)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)

@@ -1,0 +1,43 @@
+"""Python and C++ call each other: the same msgpack as the C++ typed calls."""
+
+import subprocess
+import sys
+
+import pytest
+
+import spindle
+import pyfuncs
+from conftest import helper
+
+
+def test_python_parent_calls_cpp_child(router):
+    c = router.spawn(argv=[helper("py_peer"), "serve"], name="cpp")
+    assert c.call("square", 12) == 144
+    assert c.call("geo.mirror", {"x": 1, "y": 2}) == {"x": 2, "y": 1}
+    with pytest.raises(spindle.CallError) as info:
+        c.call("fail", "no reason")
+    assert (info.value.remote_type, info.value.message) == ("std::invalid_argument", "no reason")
+    with pytest.raises(spindle.CallError) as info:
+        c.call("square", "twelve")
+    assert info.value.remote_type == "spindle::DecodeError"
+    # A pickled argument is msgpack ext 80, which C++ does not decode.
+    with pytest.raises(spindle.CallError) as info:
+        c.call("square", pyfuncs.Point(1, 2))
+    assert info.value.remote_type == "spindle::DecodeError"
+    # A C++ child serves no Python module functions.
+    with pytest.raises(spindle.ChannelError, match="unknown service: py"):
+        c.call(pyfuncs.square, 2)
+    assert c.stop() == 0
+
+
+def test_python_parent_calls_spawned_typed(router):
+    c = router.spawn(argv=[helper("spawned_typed")])
+    assert c.call("echo", "hi there") == "hi there"
+    assert c.call_async("echo", "later").result(timeout=30) == "later"
+
+
+def test_cpp_parent_calls_python_child():
+    out = subprocess.run([helper("py_peer"), "call-python", sys.executable],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,92 @@
+"""Clients of a spindle-router: spindle.connect(), and pickle refused there."""
+
+import os
+import select
+import subprocess
+import threading
+
+import pytest
+
+import spindle
+
+
+@pytest.fixture
+def router_socket(tmp_path):
+    """A real spindle-router on a socket in tmp_path, ready to connect to."""
+    sock = str(tmp_path / "router.sock")
+    program = os.path.join(os.environ["SPINDLE_TOOLS_DIR"], "spindle-router")
+    proc = subprocess.Popen([program, "--socket", sock, "--log-level", "info"],
+                            stderr=subprocess.PIPE)
+    try:
+        # Its log says "ready" once it listens. Read the pipe's fd directly:
+        # a buffered reader could hold that line while select() waits.
+        fd = proc.stderr.fileno()
+        seen = b""
+        while b" ready: " not in seen:
+            assert select.select([fd], [], [], 20)[0], f"spindle-router did not start: {seen!r}"
+            chunk = os.read(fd, 4096)
+            assert chunk, f"spindle-router exited: {seen!r}"
+            seen += chunk
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+class Worker:
+    """A named client serving on a thread of its own."""
+
+    def __init__(self, sock, name, allow_pickle=False):
+        self.conn = spindle.connect(sock, name=name, allow_pickle=allow_pickle)
+        self.conn.expose("upper", str.upper, anyone=True)
+        self.conn.expose("echo", lambda v: v, anyone=True)
+        self.conn.expose("make_set", lambda: {1, 2}, anyone=True)
+        self.conn.ready()
+        self.thread = threading.Thread(target=self.conn.serve)
+        self.thread.start()
+
+    def close(self):
+        self.conn.close()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+
+
+def test_clients_call_each_other(router_socket):
+    worker = Worker(router_socket, "upper-1")
+    try:
+        with spindle.connect(router_socket) as me:
+            [w] = me.find("upper-*")
+            assert w.name == "upper-1"
+            assert w.call("upper", "hi") == "HI"
+            assert w.call_async("echo", [1, {"a": b"x"}]).result(timeout=30) == [1, {"a": b"x"}]
+    finally:
+        worker.close()
+
+
+def test_pickle_is_refused_over_a_router_connection(router_socket):
+    worker = Worker(router_socket, "strict")
+    try:
+        with spindle.connect(router_socket) as me:
+            [w] = me.find("strict")
+            # The worker refuses to unpickle an argument...
+            with pytest.raises(spindle.CallError) as info:
+                w.call("echo", {1, 2})  # a set: not msgpack, so pickled
+            assert info.value.remote_type == "spindle.PickleRefusedError"
+            assert "allow_pickle=True" in info.value.message
+            # ...and the caller refuses to unpickle a result.
+            with pytest.raises(spindle.PickleRefusedError, match="allow_pickle=True"):
+                w.call("make_set")
+            assert w.call("echo", [1, 2]) == [1, 2]  # msgpack still flows
+    finally:
+        worker.close()
+
+
+def test_pickle_over_a_router_when_both_opt_in(router_socket):
+    worker = Worker(router_socket, "trusting", allow_pickle=True)
+    try:
+        with spindle.connect(router_socket, allow_pickle=True) as me:
+            [w] = me.find("trusting")
+            assert w.call("echo", {1, 2}) == {1, 2}
+            assert w.call("make_set") == {1, 2}
+    finally:
+        worker.close()

@@ -1,0 +1,89 @@
+// py_peer: the C++ side of the Python binding's interop tests
+// (python/tests/test_interop.py), through <spindle/spindle.h> only.
+//
+//   py_peer serve          a child for spawn (the Python parent calls it):
+//                            square(long) -> long
+//                            geo.mirror(Point) -> Point   (a struct: a map)
+//                            fail(string)                 throws std::invalid_argument
+//   py_peer call-python PYTHON
+//                          a C++ parent of `PYTHON -m spindle.child --import pyfuncs`:
+//                          calls its Python functions by name, prints "ok" and
+//                          exits 0, or says what differed and exits 1.
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <spindle/spindle.h>
+
+namespace {
+
+struct Point {
+  long x = 0;
+  long y = 0;
+  MSGPACK_DEFINE_MAP(x, y)
+};
+
+inline constexpr spindle::method<long(long)> square{"square"};
+inline constexpr spindle::method<Point(Point)> mirror{"geo.mirror"};
+inline constexpr spindle::method<void(std::string)> fail{"fail"};
+
+int serve() {
+  return spindle::run_spawned_child([](spindle::ChildEnv& env) {
+    env.expose(square, [](long n) { return n * n; });
+    env.expose(mirror, [](Point p) { return Point{p.y, p.x}; });
+    env.expose(fail, [](std::string why) { throw std::invalid_argument(why); });
+    return env.serve();
+  });
+}
+
+int check(bool ok, const std::string& what) {
+  if (!ok) std::fprintf(stderr, "py_peer: %s\n", what.c_str());
+  return ok ? 0 : 1;
+}
+
+int call_python(const std::string& python) {
+  spindle::Runtime rt;
+  spindle::Child child = rt.spawn_child(python, {"-m", "spindle.child", "--import", "pyfuncs"},
+                                        {.name = "python"});
+  int bad = 0;
+  long sq = child.call<long>("py_square", 7L);
+  bad += check(sq == 49, "py_square(7) = " + std::to_string(sq));
+  std::string hi = child.call<std::string>("greet", std::string("c++"));
+  bad += check(hi == "hello c++", "greet = " + hi);
+  // A module-level function, as a Python parent calls it: py.call(module,
+  // qualified name, positional arguments, keyword arguments).
+  long added = child.call<long>("py.call", std::string("pyfuncs"), std::string("add"),
+                                std::vector<long>{1, 2}, std::map<std::string, long>{{"c", 3}});
+  bad += check(added == 6, "py.call pyfuncs.add = " + std::to_string(added));
+  try {
+    child.call<long>("py_fail", std::string("gone"));
+    bad += check(false, "py_fail returned");
+  } catch (const spindle::CallError& e) {
+    bad += check(e.type() == "spindle::python::PythonException" &&
+                     std::strstr(e.message().c_str(), "KeyError: 'gone'") != nullptr,
+                 std::string("py_fail: ") + e.what());
+  }
+  try {
+    child.call<long>("py_square", std::string("seven"));  // Python raises TypeError
+    bad += check(false, "py_square(\"seven\") returned");
+  } catch (const spindle::CallError& e) {
+    bad += check(std::strstr(e.message().c_str(), "TypeError") != nullptr,
+                 std::string("py_square(\"seven\"): ") + e.what());
+  }
+  int status = child.stop();
+  bad += check(status == 0, "the Python child exited with status " + std::to_string(status));
+  if (bad == 0) std::puts("ok");
+  return bad == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 2 && std::strcmp(argv[1], "serve") == 0) return serve();
+  if (argc == 3 && std::strcmp(argv[1], "call-python") == 0) return call_python(argv[2]);
+  std::fprintf(stderr, "usage: py_peer serve | py_peer call-python PYTHON\n");
+  return 2;
+}
