@@ -79,7 +79,8 @@ class Completions {
 };
 
 // A Python callable kept alive from C++ code that may drop it on a thread
-// without the GIL: the last release takes the GIL.
+// without the GIL (the broker's): released there, the reference is handed to
+// the interpreter (Py_AddPendingCall) instead of waiting for the GIL.
 class PyRef {
  public:
   explicit PyRef(py::handle h) : p_(h.ptr()) { Py_XINCREF(p_); }

@@ -110,6 +110,7 @@ struct PyChildEnv {
 
   void expose(const std::string& name, bool anyone, py::object fn) {
     auto ref = std::make_shared<PyRef>(fn);
+    py::gil_scoped_release nogil;  // registering may wait for the broker thread
     env->expose_encoded(name, anyone ? Allow::kAnyone : Allow::kParent,
                         [ref](const Payload& args) -> Payload {
                           // A worker or serve() thread, never the broker's.
@@ -246,10 +247,20 @@ struct PyConnection {
 }  // namespace
 
 PyRef::~PyRef() {
-  if (!p_) return;
-  if (!Py_IsInitialized()) return;  // at exit: the interpreter is gone, leak it
-  py::gil_scoped_acquire gil;
-  Py_DECREF(p_);
+  if (!p_ || !Py_IsInitialized()) return;  // at exit: the interpreter is gone, leak it
+  if (PyGILState_Check()) {
+    Py_DECREF(p_);
+    return;
+  }
+  // Another thread (the broker's, if the router drops a handler there) must
+  // not wait for the GIL: the interpreter drops it at its next chance. If
+  // its queue is full, the reference leaks, which costs one object.
+  (void)Py_AddPendingCall(
+      [](void* p) -> int {
+        Py_DECREF(static_cast<PyObject*>(p));
+        return 0;
+      },
+      p_);
 }
 
 py::tuple outcome_of(std::exception_ptr e) {
@@ -327,7 +338,10 @@ void bind_runtime_objects(py::module_& m) {
   py::class_<PyChildEnv>(m, "ChildEnv")
       .def_property_readonly("id", [](const PyChildEnv& e) { return e.env->id(); })
       .def("expose", &PyChildEnv::expose)
-      .def("ready", [](PyChildEnv& e) { e.env->ready(); })
+      .def("ready", [](PyChildEnv& e) {
+        py::gil_scoped_release nogil;
+        e.env->ready();
+      })
       .def("serve", &PyChildEnv::serve);
 
   py::class_<PyRuntime>(m, "Runtime")
