@@ -134,7 +134,7 @@ def test_killed_child_fails_pending_calls_at_once(child, tmp_path):
     for future in (pending, queued):
         with pytest.raises(spindle.ChannelError) as info:
             future.result(timeout=10)  # at once: well before the 30 s call timeout
-        assert str(info.value)  # the reason the router gave
+        assert "peer disconnected" in str(info.value)  # the reason the router gave
     with pytest.raises(spindle.ChannelError):
         child.call(pyfuncs.square, 2)
     assert os.WTERMSIG(child.stop()) == signal.SIGKILL
@@ -146,3 +146,38 @@ def test_closed_router_raises_shutdown_error():
     r.close()
     with pytest.raises(spindle.ShutdownError):
         c.call(pyfuncs.square, 2)
+
+
+def test_futures_complete_on_a_python_thread_not_the_broker(child):
+    seen = []
+    done = threading.Event()
+    f = child.call_async(pyfuncs.square, 5)
+    f.add_done_callback(lambda _: (seen.append(threading.current_thread().name), done.set()))
+    assert f.result(timeout=30) == 25
+    assert done.wait(30)
+    # The callback ran on the Router's completion thread (or here, if the
+    # future was already done when the callback was added).
+    assert seen[0] in ("spindle-completions", threading.current_thread().name)
+
+
+def test_gil_is_released_while_a_call_waits(router, tmp_path):
+    # One thread waits on a child that never answers; if it held the GIL,
+    # this thread could not make a call of its own meanwhile.
+    stuck, free = router.fork(name="stuck"), router.fork(name="free")
+    fifo = tmp_path / "started"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    outcome = []
+    waiter = threading.Thread(
+        target=lambda: outcome.append(pytest.raises(spindle.ChannelError, stuck.call,
+                                                    pyfuncs.block_forever, str(fifo))))
+    waiter.start()
+    try:
+        assert select.select([reader], [], [], 30)[0], "the stuck child never started the call"
+    finally:
+        os.close(reader)
+    assert waiter.is_alive()  # blocked in its call...
+    assert [free.call(pyfuncs.square, i) for i in range(20)] == [i * i for i in range(20)]
+    os.kill(stuck.pid, signal.SIGKILL)  # ...until its callee dies
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and outcome

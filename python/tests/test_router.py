@@ -90,3 +90,8 @@ def test_pickle_over_a_router_when_both_opt_in(router_socket):
             assert w.call("make_set") == {1, 2}
     finally:
         worker.close()
+
+
+def test_connect_to_nothing_is_a_clear_error(tmp_path):
+    with pytest.raises(spindle.Error, match="nobody.sock"):
+        spindle.connect(str(tmp_path / "nobody.sock"), timeout=5)
