@@ -143,6 +143,16 @@ int run_python_main(PyObject* main, ChildEnv& env) {
     py::object rc = py::handle(main)(PyChildEnv{&env});
     return rc.is_none() ? 0 : rc.cast<int>();
   } catch (py::error_already_set& e) {
+    if (e.matches(PyExc_SystemExit)) {
+      // sys.exit() in the child's main: its code, as the interpreter would
+      // give it. Not PyErr_Print(), which would exit() the process from
+      // here (atexit handlers, static destructors of the parent's copy).
+      py::object code = e.value().attr("code");
+      if (code.is_none()) return 0;
+      if (PyLong_Check(code.ptr())) return code.cast<int>();
+      py::print(code, py::arg("file") = py::module_::import("sys").attr("stderr"));
+      return 1;
+    }
     e.restore();
     PyErr_Print();
     return 1;

@@ -80,3 +80,9 @@ def custom_main(env):
     """A child main for router.fork(target=...) and spawn(main=...)."""
     env.expose("custom.triple", lambda n: 3 * n)
     return env.serve()
+
+
+def exit_main(env):
+    """A child main that leaves with sys.exit(7)."""
+    import sys
+    sys.exit(7)

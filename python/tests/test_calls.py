@@ -181,3 +181,10 @@ def test_gil_is_released_while_a_call_waits(router, tmp_path):
     os.kill(stuck.pid, signal.SIGKILL)  # ...until its callee dies
     waiter.join(timeout=30)
     assert not waiter.is_alive() and outcome
+
+
+def test_child_main_exit_status(router):
+    c = router.fork(pyfuncs.exit_main)
+    assert os.waitstatus_to_exitcode(c.stop()) == 7
+    s = router.spawn(main="pyfuncs:exit_main")
+    assert os.waitstatus_to_exitcode(s.stop()) == 7

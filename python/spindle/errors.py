@@ -1,0 +1,111 @@
+"""Spindle's exceptions, and how a call's failure becomes one.
+
+Re-exported by the package: use spindle.CallError, spindle.ChannelError, ...
+Each class says "spindle" as its module, which is also how a Python callee
+names them to its caller (CallError.remote_type "spindle.PickleRefusedError").
+"""
+
+import builtins
+import pickle
+import traceback
+
+from . import _spindle
+
+# Separates an exception's text from its traceback in the SE reply of an
+# exposed Python function (a C++ caller sees both in CallError::message()).
+_TRACEBACK_MARK = "\n\n--- remote traceback ---\n"
+
+
+class Error(Exception):
+    """Base of Spindle's exceptions."""
+
+    __module__ = "spindle"
+
+
+class CallError(Error):
+    """The remote function raised.
+
+    remote_type names the exception's type ("ZeroDivisionError",
+    "mypkg.MyError", or a C++ type such as "std::invalid_argument"),
+    message is its text and traceback the remote traceback (empty for a C++
+    callee).
+    """
+
+    __module__ = "spindle"
+
+    def __init__(self, remote_type, message, traceback=""):
+        super().__init__(f"{remote_type}: {message}")
+        self.remote_type = remote_type
+        self.message = message
+        self.traceback = traceback
+
+
+class ChannelError(Error):
+    """A dead reply: no such function, refused, or the callee is gone."""
+
+    __module__ = "spindle"
+
+
+class TimeoutError(Error, builtins.TimeoutError):
+    """No answer within the context's timeout."""
+
+    __module__ = "spindle"
+
+
+class ShutdownError(Error):
+    """The Router or Connection the context came from is closed."""
+
+    __module__ = "spindle"
+
+
+class PickleRefusedError(Error):
+    """A pickled value arrived where pickle is not accepted."""
+
+    __module__ = "spindle"
+
+
+_spindle._set_error_classes(Error, ChannelError, TimeoutError, ShutdownError)
+
+
+def _pickle_dumps(obj):
+    return pickle.dumps(obj, protocol=5)
+
+
+def _refuse_pickle(data):
+    raise PickleRefusedError(
+        "spindle: refused a pickled value: unpickling runs code, so pickle is "
+        "accepted only between a parent and its own children; "
+        "spindle.connect(..., allow_pickle=True) accepts it from a router's clients")
+
+
+def _type_name(exc):
+    t = type(exc)
+    if t.__module__ == "builtins":
+        return t.__qualname__
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _format_exception(exc):
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return f"{_type_name(exc)}: {exc}{_TRACEBACK_MARK}{tb}"
+
+
+def _error_of(kind, a, b):
+    """The exception for a call's outcome (kind, a, b) from _spindle."""
+    a = a.decode("utf-8", "replace")
+    if kind == _spindle.CALL_ERROR:
+        message = b.decode("utf-8", "replace")
+        if a == _spindle.PYTHON_EXCEPTION_TYPE:
+            head, _, tb = message.partition(_TRACEBACK_MARK)
+            remote_type, _, text = head.partition(": ")
+            return CallError(remote_type, text, tb)
+        return CallError(a, message)
+    if kind == _spindle.CHANNEL_ERROR:
+        return ChannelError(a)
+    if kind == _spindle.TIMEOUT:
+        return TimeoutError(a)
+    if kind == _spindle.SHUTDOWN:
+        return ShutdownError(a)
+    return Error(a)
+
+
