@@ -2,6 +2,7 @@
 from a thread while others have calls in flight."""
 
 import os
+import signal
 import threading
 
 import spindle
@@ -12,6 +13,7 @@ def _exit_code_of_child(fn):
     """Runs fn() in an os.fork() child; returns its exit code (0: fn returned True)."""
     pid = os.fork()
     if pid == 0:
+        signal.alarm(120)  # a hang here ends as SIGALRM, not as the parent's waitpid forever
         code = 1
         try:
             code = 0 if fn() else 3
@@ -22,7 +24,7 @@ def _exit_code_of_child(fn):
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    return os.waitstatus_to_exitcode(status)  # -14: the child hung (SIGALRM)
 
 
 def test_os_fork_while_calls_are_in_flight():
