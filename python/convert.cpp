@@ -3,9 +3,10 @@
 // The mapping is msgpack's usual one, so that a C++ peer's codec<T> reads
 // what Python sends: None nil, bool, int (64-bit), float (float64), str, bytes
 // (bytearray and memoryview too) bin, list and tuple array, dict map. What
-// does not fit (a set, an instance, an int beyond 64 bits) is pickled into
-// ext type 80 when a pickler is given; a receiver decides whether it accepts
-// pickle (see the package). Decoding walks the input once first
+// has __index__ (numpy's integers) is an int, a float subclass
+// (numpy.float64) a float. What does not fit (a set, an instance, an int
+// beyond 64 bits) is pickled into ext type 80 when a pickler is given; a
+// receiver decides whether it accepts pickle (see the package). Decoding walks the input once first
 // (detail::unpack_checked), so hostile bytes cannot make it allocate much.
 // Thread: the caller holds the GIL.
 #include "binding.h"
@@ -120,6 +121,13 @@ void pack_into(Packer& p, py::handle obj, py::handle pickler, int depth) {
       pack_into(p, kv.second, pickler, depth + 1);
     }
     return;
+  }
+  if (PyIndex_Check(o)) {
+    // An integer of another type (numpy.int64, ...): as the int it stands
+    // for, so that a C++ callee reads it as one.
+    py::object as_int = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+    if (!as_int) throw py::error_already_set();
+    return pack_into(p, as_int, pickler, depth + 1);
   }
   pack_pickled(p, obj, pickler);
 }

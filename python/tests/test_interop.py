@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 import spindle
@@ -14,6 +15,9 @@ def test_python_parent_calls_cpp_child(router):
     c = router.spawn(argv=[helper("py_peer"), "serve"], name="cpp")
     assert c.call("square", 12) == 144
     assert c.call("geo.mirror", {"x": 1, "y": 2}) == {"x": 2, "y": 1}
+    # numpy's integers and floats travel as msgpack numbers, not pickled.
+    assert c.call("square", numpy.int64(5)) == 25
+    assert c.call("geo.mirror", {"x": numpy.int32(3), "y": numpy.uint8(4)}) == {"x": 4, "y": 3}
     with pytest.raises(spindle.CallError) as info:
         c.call("fail", "no reason")
     assert (info.value.remote_type, info.value.message) == ("std::invalid_argument", "no reason")
