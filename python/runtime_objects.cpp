@@ -1,5 +1,5 @@
 // The extension's wrappers of Runtime, Connection, Context, Child and
-// ChildEnv, and the completion queue (see binding.h).
+// ChildEnv (see binding.h; the completion queue is in completions.cpp).
 //
 // GIL rules, which keep the broker thread free of Python:
 //  - every call that may wait on the broker (a blocking call, spawn, stop,
@@ -73,10 +73,18 @@ struct PyContext {
 // Destroys `owned` without the GIL: its destructor may wait (for a child to
 // exit, a broker to stop), and the thread that waits must not hold the
 // interpreter. At interpreter exit the GIL stays held (nothing else runs).
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 template <class T>
 void destroy_without_gil(std::unique_ptr<T>& owned) {
   if (!owned) return;
-  if (Py_IsInitialized() && !_Py_IsFinalizing() && PyGILState_Check()) {
+  if (Py_IsInitialized() && !interpreter_finalizing() && PyGILState_Check()) {
     py::gil_scoped_release nogil;
     owned.reset();
   } else {
@@ -271,60 +279,6 @@ PyRef::~PyRef() {
         return 0;
       },
       p_);
-}
-
-py::tuple outcome_of(std::exception_ptr e) {
-  auto t = [](Outcome k, const std::string& a, const std::string& b = {}) {
-    return py::make_tuple(static_cast<int>(k), py::bytes(a), py::bytes(b));
-  };
-  try {
-    std::rethrow_exception(e);
-  } catch (const CallError& x) {
-    return t(kCallError, x.type(), x.message());
-  } catch (const ChannelError& x) {
-    return t(kChannel, x.what());
-  } catch (const TimeoutError& x) {
-    return t(kTimeout, x.what());
-  } catch (const ShutdownError& x) {
-    return t(kShutdown, x.what());
-  } catch (const std::exception& x) {
-    return t(kOtherError, x.what());
-  } catch (...) {
-    return t(kOtherError, "a non-standard C++ exception");
-  }
-}
-
-void Completions::push(Item item) {
-  {
-    std::lock_guard lk(mu_);
-    items_.push_back(std::move(item));
-  }
-  cv_.notify_one();
-}
-
-py::object Completions::get() {
-  std::optional<Item> item;
-  {
-    py::gil_scoped_release nogil;  // taken back only after the lock is dropped
-    std::unique_lock lk(mu_);
-    cv_.wait(lk, [&] { return closed_ || !items_.empty(); });
-    if (!items_.empty()) {
-      item.emplace(std::move(items_.front()));
-      items_.pop_front();
-    }
-  }
-  if (!item) return py::none();  // closed
-  py::tuple outcome = item->error ? outcome_of(item->error)
-                                  : py::make_tuple(static_cast<int>(kOk), to_bytes(item->result), py::none());
-  return py::make_tuple(item->token, outcome);
-}
-
-void Completions::close() {
-  {
-    std::lock_guard lk(mu_);
-    closed_ = true;
-  }
-  cv_.notify_all();
 }
 
 void bind_runtime_objects(py::module_& m) {
