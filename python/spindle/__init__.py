@@ -139,7 +139,7 @@ class Router:
 
     def __init__(self):
         self._core = _spindle.Runtime()
-        self._owner = _Owner(allow_pickle=True)  # its own children only
+        self._owner = _Owner("Router", allow_pickle=True)  # its own children only
         self._children = []
         _live.add(self)
 
@@ -213,7 +213,7 @@ class Connection:
 
     def __init__(self, path="", *, name=None, allow_pickle=False, timeout=10.0):
         self._core = _spindle.Connection(path, name or "", timeout)
-        self._owner = _Owner(allow_pickle)
+        self._owner = _Owner("Connection", allow_pickle)
         self._allow_pickle = allow_pickle
         self._env = None
         _live.add(self)

@@ -116,7 +116,8 @@ class _Dispatcher:
 class _Owner:
     """What a Router and a Connection share: decoding and futures."""
 
-    def __init__(self, allow_pickle):
+    def __init__(self, label, allow_pickle):
+        self._label = label  # "Router" or "Connection", for errors
         self._unpickler = pickle.loads if allow_pickle else _refuse_pickle
         self._dispatcher = _Dispatcher(self._decode)
         self._closed = False
@@ -129,13 +130,8 @@ class _Owner:
 
     def _check(self):
         if self._closed:
-            raise ShutdownError(f"spindle: this {type(self).__name__} is closed")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+            raise ShutdownError(f"spindle: this {self._label} is closed (or was inherited "
+                                "through a fork: make a new one in the child)")
 
 
 class Context:
