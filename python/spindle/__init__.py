@@ -43,10 +43,10 @@ class ChildEnv:
     arrival order, on the thread that called serve().
     """
 
-    def __init__(self, core, unpickler, serves_py_calls):
+    def __init__(self, core, unpickler, in_child):
         self._core = core
         self._unpickler = unpickler
-        self._serves_py_calls = serves_py_calls
+        self._in_child = in_child  # False: a Connection's, serving router clients
         self._names = set()
 
     @property
@@ -80,14 +80,16 @@ class ChildEnv:
     def serve(self):
         """Serves until the parent says SHUTDOWN or goes away; returns 0.
 
-        Functions registered with @spindle.expose are served too, and in a
-        child, module-level functions (ctx.call(fn, ...)).
+        A child also serves module-level functions (ctx.call(fn, ...)) and
+        the functions @spindle.expose registered, unless it exposed their
+        names itself. A Connection serves what it exposed, nothing else.
         """
-        if self._serves_py_calls and _PY_CALL not in self._names:
-            self.expose(_PY_CALL, _py_call)
-        for name, (fn, anyone) in list(_exposed.items()):
-            if name not in self._names:
-                self.expose(name, fn, anyone)
+        if self._in_child:
+            if _PY_CALL not in self._names:
+                self.expose(_PY_CALL, _py_call)
+            for name, (fn, anyone) in list(_exposed.items()):
+                if name not in self._names:
+                    self.expose(name, fn, anyone)
         return self._core.serve()
 
 
@@ -96,7 +98,7 @@ _exposed = {}
 
 
 def expose(name=None, *, anyone=False):
-    """Decorator: a child serves this function under `name` (default: its __name__).
+    """Decorator: children serve this function under `name` (default: its __name__).
 
         @spindle.expose("square")
         def square(n): return n * n
@@ -118,7 +120,7 @@ def _flush_stdio():
 def _child_main(target):
     """The C++ child main: a ChildEnv for `core`, then target(env) or serve()."""
     def main(core):
-        env = ChildEnv(core, pickle.loads, serves_py_calls=True)
+        env = ChildEnv(core, pickle.loads, in_child=True)
         try:
             rc = target(env) if target is not None else env.serve()
             return 0 if rc is None else int(rc)
@@ -240,7 +242,7 @@ class Connection:
     def _serving_env(self):
         if self._env is None:
             unpickler = pickle.loads if self._allow_pickle else _refuse_pickle
-            self._env = ChildEnv(self._core.env(), unpickler, serves_py_calls=False)
+            self._env = ChildEnv(self._core.env(), unpickler, in_child=False)
         return self._env
 
     def expose(self, name, fn, anyone=False):

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 import spindle
+import pyfuncs  # registers @spindle.expose functions, which a Connection must not serve
 
 
 @pytest.fixture
@@ -95,3 +96,18 @@ def test_pickle_over_a_router_when_both_opt_in(router_socket):
 def test_connect_to_nothing_is_a_clear_error(tmp_path):
     with pytest.raises(spindle.Error, match="nobody.sock"):
         spindle.connect(str(tmp_path / "nobody.sock"), timeout=5)
+
+
+def test_a_connection_serves_only_what_it_exposed(router_socket):
+    # Module functions (py.call) would let any client run any importable
+    # function here; @spindle.expose functions are for children.
+    worker = Worker(router_socket, "narrow")
+    try:
+        with spindle.connect(router_socket) as me:
+            [w] = me.find("narrow")
+            with pytest.raises(spindle.ChannelError, match="unknown service: py"):
+                w.call(pyfuncs.square, 2)
+            with pytest.raises(spindle.ChannelError, match="unknown method: fn.py_square"):
+                w.call("py_square", 2)
+    finally:
+        worker.close()
