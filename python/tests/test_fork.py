@@ -99,3 +99,14 @@ def test_router_fork_while_other_threads_call():
             stop.set()
             for t in threads:
                 t.join(timeout=60)
+
+
+def test_router_fork_from_another_thread():
+    with spindle.Router() as router:
+        made = []
+        t = threading.Thread(target=lambda: made.append(router.fork(name="from-thread")))
+        t.start()
+        t.join(timeout=60)
+        [child] = made
+        assert child.call(pyfuncs.square, 8) == 64
+        assert child.call(pyfuncs.getpid) == child.pid
