@@ -31,7 +31,12 @@ if [[ ${#targets[@]} -eq 0 ]]; then
   for src in fuzz/fuzz_*.cpp; do targets+=("$(basename "$src" .cpp)"); done
 fi
 
-cmake -S . -B "$builddir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+generator=()
+if command -v ninja >/dev/null 2>&1 && [[ ! -f "$builddir/CMakeCache.txt" ]]; then
+  generator=(-G Ninja)
+fi
+cmake -S . -B "$builddir" "${generator[@]}" -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSPINDLE_UNITY_BUILD=ON \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DSPINDLE_BUILD_FUZZERS=ON \
   -DBUILD_TESTING=OFF -DSPINDLE_BUILD_BENCH=OFF >/dev/null
 cmake --build "$builddir" -j"${SPINDLE_JOBS:-2}" --target "${targets[@]}"

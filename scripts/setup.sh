@@ -6,6 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential
   cmake
+  ninja-build       # scripts/test.sh builds with Ninja when it is there
   pkg-config
   libasio-dev
   libboost-dev

@@ -31,7 +31,7 @@
 
 #include "services/client.h"
 
-namespace {
+namespace test_api {
 
 using namespace std::chrono_literals;
 
@@ -342,4 +342,4 @@ TEST(ApiCodec, AHostileContainerSizeIsRefusedBeforeAnythingIsAllocated) {
   EXPECT_NO_THROW(spindle::detail::unpack_checked(ok, "arguments"));
 }
 
-}  // namespace
+}  // namespace test_api

@@ -56,7 +56,7 @@ struct boost::asio::async_result<Lazy, Sig> {
   }
 };
 
-namespace {
+namespace test_api_boost_asio {
 
 using namespace std::chrono_literals;
 
@@ -234,4 +234,4 @@ TEST_F(BoostAsioFind, AsyncFindWithBoostTokens) {
   EXPECT_EQ(awaited, 0u);
 }
 
-}  // namespace
+}  // namespace test_api_boost_asio

@@ -22,7 +22,7 @@
 #include <spindle/asio.h>
 #include <spindle/spindle.h>
 
-namespace {
+namespace test_api_fds {
 
 using namespace std::chrono_literals;
 
@@ -218,4 +218,4 @@ TEST(ApiFdsRefused, TheSameProgramOnASocketTakesThem) {
   EXPECT_EQ(c.stop(), 0);
 }
 
-}  // namespace
+}  // namespace test_api_fds

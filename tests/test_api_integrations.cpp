@@ -43,7 +43,7 @@
 #include "tests/router_fixture.h"
 
 namespace spindle {
-namespace {
+namespace test_api_integrations {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -322,5 +322,5 @@ TEST(LogHandler, ResetGoesBackToStderrAndTheOldHandlerIsNeverCalledAgain) {
   EXPECT_EQ(calls_after_reset.load(), 0);
 }
 
-}  // namespace
+}  // namespace test_api_integrations
 }  // namespace spindle

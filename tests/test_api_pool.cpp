@@ -17,7 +17,7 @@
 
 #include <spindle/spindle.h>
 
-namespace {
+namespace test_api_pool {
 
 using namespace std::chrono_literals;
 
@@ -115,4 +115,4 @@ TEST(ApiPool, APoolOfNoThreadsIsAClearError) {
   EXPECT_EQ(WEXITSTATUS(*st), 3);
 }
 
-}  // namespace
+}  // namespace test_api_pool

@@ -16,7 +16,7 @@
 
 #include <spindle/spindle.h>
 
-namespace {
+namespace test_api_zygote {
 
 using namespace std::chrono_literals;
 
@@ -98,4 +98,4 @@ TEST_F(ApiZygote, ChildrenOutliveTheZygote) {
   EXPECT_EQ(c.stop(), 0);
 }
 
-}  // namespace
+}  // namespace test_api_zygote

@@ -16,7 +16,7 @@
 #include "stream_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_broker {
 
 using namespace std::chrono_literals;
 using testutil::join_bounded;
@@ -317,5 +317,5 @@ TEST(BrokerShutdown, DestructorShutsDownAndJoins) {
   EXPECT_TRUE(ran.load()) << "a function accepted before destruction was dropped";
 }
 
-}  // namespace
+}  // namespace test_broker
 }  // namespace spindle

@@ -17,7 +17,7 @@
 #include "spindle/message.h"
 
 namespace spindle {
-namespace {
+namespace test_call_table {
 
 constexpr int kCalls = 5000;  // past the chunks of 64, 64, 128, ..., 2048
 
@@ -104,5 +104,5 @@ TEST(CallTable, AsyncCallsAcrossChunksCompleteOnceAndFailWhereTheirCalleeIsGone)
   EXPECT_EQ(table.pending(), 0u);
 }
 
-}  // namespace
+}  // namespace test_call_table
 }  // namespace spindle

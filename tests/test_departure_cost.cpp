@@ -16,7 +16,7 @@
 #include "tests/router_fixture.h"
 
 namespace spindle {
-namespace {
+namespace test_departure_cost {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -107,5 +107,5 @@ TEST_F(DepartureCost, ALinksDepartureVisitsOnlyWhatItOwned) {
   expect_served("65,536 routes came and went");
 }
 
-}  // namespace
+}  // namespace test_departure_cost
 }  // namespace spindle

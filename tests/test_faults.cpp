@@ -36,7 +36,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_faults {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -383,5 +383,5 @@ TEST_F(Faults, ConsumerThatStopsReadingHitsTheHighWaterMark) {
   }
 }
 
-}  // namespace
+}  // namespace test_faults
 }  // namespace spindle

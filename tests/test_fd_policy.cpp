@@ -20,7 +20,7 @@
 
 #include "broker/fd_registry.h"
 
-namespace {
+namespace test_fd_policy {
 
 // fd -> "dev:ino", as this process sees it.
 using FdMap = std::map<int, std::string>;
@@ -147,4 +147,4 @@ TEST(FdRegistry, ANumberReusedByTheApplicationIsNotClosed) {
   spindle::fd_registry::forget(fd);
 }
 
-}  // namespace
+}  // namespace test_fd_policy

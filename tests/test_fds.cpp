@@ -32,7 +32,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_fds {
 
 using namespace std::chrono_literals;
 using namespace testutil;
@@ -460,5 +460,5 @@ TEST(FdsRouter, FdsToAPeerOnPipesAreRefusedWithANamedReason) {
   expect_exit_code(c, 0);
 }
 
-}  // namespace
+}  // namespace test_fds
 }  // namespace spindle

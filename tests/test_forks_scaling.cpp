@@ -12,7 +12,7 @@
 #include "tests/router_probe.h"
 
 namespace spindle {
-namespace {
+namespace test_forks_scaling {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -58,5 +58,5 @@ TEST(ForksScaling, N128) { scale(128); }
 TEST(ForksScaling, N512) { scale(512); }
 TEST(ForksScaling, N128WithTenSilentClients) { scale(128, 10); }
 
-}  // namespace
+}  // namespace test_forks_scaling
 }  // namespace spindle

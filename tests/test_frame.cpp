@@ -12,13 +12,15 @@
 #include "spindle/message.h"
 #include "stream/payload.h"
 
+// Everything here lives in namespace test_frame, so that the unity build (scripts/test.sh)
+// can put this file in one translation unit with other tests.
+namespace test_frame {
+
 using namespace spindle;
 
-namespace {
 
 std::vector<std::uint8_t> bytes_of(const HeaderBytes& b) { return {b.begin(), b.end()}; }
 
-}  // namespace
 
 // ---------------------------------------------------------------------------
 // Frame header
@@ -256,7 +258,6 @@ TEST(PayloadSlices, PayloadKeepsChunkAlive) {
 // Message
 // ---------------------------------------------------------------------------
 
-namespace {
 
 Message request_from(std::uint32_t src, std::uint32_t reply_to, std::uint32_t handle = 4321) {
   Message m;
@@ -271,7 +272,6 @@ Message request_from(std::uint32_t src, std::uint32_t reply_to, std::uint32_t ha
   return m;
 }
 
-}  // namespace
 
 TEST(MessageShapes, MakeSetsFields) {
   Message m = Message::make(12, 1005, Payload::copy_of(std::string_view("x")), kEncCallError);
@@ -355,3 +355,5 @@ TEST(MessageShapes, WantsDeadReply) {
   EXPECT_FALSE(Message::wants_dead_reply(request_from(5, 0)));
   EXPECT_FALSE(Message::wants_dead_reply(request_from(5, kHandleIsDead)));
 }
+
+}  // namespace test_frame

@@ -12,9 +12,12 @@
 #include "stream/handshake.h"
 #include "stream/rx_buffer.h"
 
+// Everything here lives in namespace test_handshake, so that the unity build (scripts/test.sh)
+// can put this file in one translation unit with other tests.
+namespace test_handshake {
+
 using namespace spindle;
 
-namespace {
 
 using Bytes = std::vector<std::uint8_t>;
 
@@ -71,7 +74,6 @@ struct ServerFixture {
                          }};
 };
 
-}  // namespace
 
 TEST(HandshakeTest, ClientGreetingIsExactHello) {
   ClientHandshake client(0x01020304, 0x0506);
@@ -394,3 +396,5 @@ TEST(HandshakeTest, ServerAppendsToReply) {
   ASSERT_EQ(r.status, HandshakeStatus::kComplete) << r.error;
   EXPECT_EQ(reply, concat(Bytes{0xde, 0xad}, encode_welcome(0, 42, kServerId, kServerPid, kMax)));
 }
+
+}  // namespace test_handshake

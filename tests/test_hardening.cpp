@@ -27,7 +27,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_hardening {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -447,5 +447,5 @@ TEST_F(Hardening, ForgedDeadRepliesCannotFailAnotherClientsCall) {
   expect_served("forged dead replies");
 }
 
-}  // namespace
+}  // namespace test_hardening
 }  // namespace spindle

@@ -26,7 +26,7 @@
 #include <spindle/hosted.h>
 #include <spindle/spindle.h>
 
-namespace {
+namespace test_hosted {
 
 using namespace std::chrono_literals;
 
@@ -170,4 +170,4 @@ TEST(Hosted, AnAsioOfAnotherBuildIsRefused) {
                spindle::Error);
 }
 
-}  // namespace
+}  // namespace test_hosted

@@ -24,7 +24,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_hostile {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -325,5 +325,5 @@ TEST_F(Hostile, FloodOfFdsIsBoundedByTheSendersQuota) {
   EXPECT_EQ(ping(), "alive") << router.log();
 }
 
-}  // namespace
+}  // namespace test_hostile
 }  // namespace spindle

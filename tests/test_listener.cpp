@@ -25,7 +25,7 @@
 #include "tests/raw_peer.h"
 
 namespace spindle {
-namespace {
+namespace test_listener {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -295,11 +295,11 @@ TEST(Listener, OutOfFdsRefusesNewClientsPromptlyAndExistingOnesKeepWorking) {
   EXPECT_EQ(after->context(server->id()).call(kEcho, "again", 10s), "echo:again");
 }
 
-}  // namespace
+}  // namespace test_listener
 }  // namespace spindle
 
 namespace spindle {
-namespace {
+namespace test_listener {
 using namespace testutil;
 using namespace std::chrono_literals;
 
@@ -328,5 +328,5 @@ TEST(Listener, ConnectionDroppedInsideItsOwnHandlerGoesAwayCleanly) {
   EXPECT_THROW(b->context(a_id).call(kEcho, "x", 5s), ChannelError);
 }
 
-}  // namespace
+}  // namespace test_listener
 }  // namespace spindle

@@ -14,7 +14,7 @@
 #include "tests/router_probe.h"
 
 namespace spindle {
-namespace {
+namespace test_load {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -53,5 +53,5 @@ TEST(Load, ManyClientsToRandomPeersLoseNothingAndKeepPairOrder) {
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << router.log();
 }
 
-}  // namespace
+}  // namespace test_load
 }  // namespace spindle

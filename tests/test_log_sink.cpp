@@ -24,7 +24,7 @@
 #include "broker/log.h"
 
 namespace spindle {
-namespace {
+namespace test_log_sink {
 
 using namespace std::chrono_literals;
 
@@ -86,5 +86,5 @@ TEST(LogSinkFork, AChildForkedAsTheWriterStartsIsNotLeftHoldingALock) {
   EXPECT_EQ(failed, 0);
 }
 
-}  // namespace
+}  // namespace test_log_sink
 }  // namespace spindle

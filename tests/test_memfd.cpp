@@ -26,7 +26,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_memfd {
 
 using namespace std::chrono_literals;
 using namespace testutil;
@@ -212,5 +212,5 @@ TEST(MemfdRouter, KillNineMidTransferLeavesNothingBehind) {
   EXPECT_EQ(fds_after, fds_before);
 }
 
-}  // namespace
+}  // namespace test_memfd
 }  // namespace spindle

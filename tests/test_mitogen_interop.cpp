@@ -19,7 +19,7 @@
 #include "tests/listener_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_mitogen_interop {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -152,5 +152,5 @@ TEST(MitogenInterop, TwoStockMitogenProcessesTalkThroughSpindleRouter) {
   EXPECT_EQ(WEXITSTATUS(router.stop(SIGTERM)), 0) << router.log();
 }
 
-}  // namespace
+}  // namespace test_mitogen_interop
 }  // namespace spindle

@@ -17,7 +17,7 @@
 #include "tests/router_fixture.h"
 
 namespace spindle {
-namespace {
+namespace test_names {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -67,5 +67,5 @@ TEST_F(Names, ANameGoesWithItsClient) {
   EXPECT_EQ(client.find("short-lived").at(0).call(upper, "x"), "short-lived:X");
 }
 
-}  // namespace
+}  // namespace test_names
 }  // namespace spindle

@@ -13,7 +13,7 @@
 #include "stream_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_output_gauge {
 
 using namespace std::chrono_literals;
 using Admit = OutputGauge::Admit;
@@ -140,5 +140,5 @@ TEST(OutputGauge, ManyWaitersAllWokenByClose) {
   }
 }
 
-}  // namespace
+}  // namespace test_output_gauge
 }  // namespace spindle

@@ -15,9 +15,12 @@
 #include "stream/parser.h"
 #include "stream/rx_buffer.h"
 
+// Everything here lives in namespace test_parser, so that the unity build (scripts/test.sh)
+// can put this file in one translation unit with other tests.
+namespace test_parser {
+
 using namespace spindle;
 
-namespace {
 
 using Bytes = std::vector<std::uint8_t>;
 
@@ -110,7 +113,6 @@ Corpus small_corpus() {
   return c;
 }
 
-}  // namespace
 
 // ---------------------------------------------------------------------------
 // Basic framing
@@ -484,11 +486,9 @@ TEST(FrameParserTest, LengthEqualToMaxHeaderOnlyNeedsMore) {
 // Large bodies read directly into one buffer
 // ---------------------------------------------------------------------------
 
-namespace {
 
 constexpr std::size_t kBig = 3u << 20;  // 3 MiB
 
-}  // namespace
 
 TEST(FrameParserTest, LargeBodyFedIn4KiBPiecesIsOneSlice) {
   static_assert(kBig >= kDirectBodyThreshold);
@@ -665,3 +665,5 @@ TEST(FrameParserTest, BufferedCountsPartialDirectBody) {
   EXPECT_EQ(p.partial_bytes(), 15000u - kHeaderSize);
   EXPECT_EQ(consumed + p.buffered(), 15000u);
 }
+
+}  // namespace test_parser

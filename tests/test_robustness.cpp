@@ -29,7 +29,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_robustness {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -247,5 +247,5 @@ TEST(StreamCreate, ClosesBothFdsWhenTheConstructorThrows) {
   }
 }
 
-}  // namespace
+}  // namespace test_robustness
 }  // namespace spindle

@@ -34,7 +34,7 @@
 #include "stream/port.h"
 
 namespace spindle {
-namespace {
+namespace test_router {
 
 using namespace testutil;
 
@@ -491,5 +491,5 @@ TEST(RouterRoutes, GrandchildReachableAndItsDeathPropagates) {
   expect_exit_code(middle, 0);
 }
 
-}  // namespace
+}  // namespace test_router
 }  // namespace spindle

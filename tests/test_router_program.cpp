@@ -19,7 +19,7 @@
 #include "tests/listener_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_router_program {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -182,5 +182,5 @@ TEST(RouterProgram, SpindleCtlPrintsStatsAndPings) {
   EXPECT_TRUE(contains(out, "cannot connect")) << out;
 }
 
-}  // namespace
+}  // namespace test_router_program
 }  // namespace spindle

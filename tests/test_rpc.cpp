@@ -33,7 +33,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_rpc {
 
 using namespace testutil;
 
@@ -495,5 +495,5 @@ INSTANTIATE_TEST_SUITE_P(RpcSpawnTransports, RpcSpawn,
                                                                                      : "Stdio");
                          });
 
-}  // namespace
+}  // namespace test_rpc
 }  // namespace spindle

@@ -17,7 +17,7 @@
 #include "tests/services_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_services_calls {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -205,5 +205,5 @@ TEST(ServicesCalls, DuplicateServiceOrMethodIsRefused) {
   EXPECT_THROW(Service(std::string(300, 'n')), Error);
 }
 
-}  // namespace
+}  // namespace test_services_calls
 }  // namespace spindle

@@ -24,7 +24,7 @@
 #include "tests/services_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_services_fork {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -220,5 +220,5 @@ TEST(ServicesWatcher, ChildGetsItsOwnWatchers) {
   EXPECT_EQ(services::watched_brokers_of_this_thread(), 0u);
 }
 
-}  // namespace
+}  // namespace test_services_fork
 }  // namespace spindle

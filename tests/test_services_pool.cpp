@@ -19,7 +19,7 @@
 #include "tests/services_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_services_pool {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -265,5 +265,5 @@ TEST(ServicesLanes, ALaneRefusesPastItsMaximum) {
   set.close();
 }
 
-}  // namespace
+}  // namespace test_services_pool
 }  // namespace spindle

@@ -17,7 +17,7 @@
 #include "tests/services_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_services_stop {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -254,5 +254,5 @@ TEST(ServicesSelect, ReceiversTakeTurns) {
   EXPECT_EQ(order, "abaaaa");
 }
 
-}  // namespace
+}  // namespace test_services_stop
 }  // namespace spindle

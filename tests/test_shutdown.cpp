@@ -12,7 +12,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_shutdown {
 
 using namespace std::chrono_literals;
 using namespace testutil;
@@ -118,5 +118,5 @@ TEST(Shutdown, RouteFailsFastWhenTheQueueIsFull) {
   ASSERT_TRUE(st.has_value());
 }
 
-}  // namespace
+}  // namespace test_shutdown
 }  // namespace spindle

@@ -21,7 +21,7 @@
 #include "tests/slot_test_util.h"
 
 namespace spindle::shm {
-namespace {
+namespace test_slot_buffer {
 
 using testutil::stamp_slot;
 using testutil::verify_stamp;
@@ -269,5 +269,5 @@ TEST(SlotBuffer, ThreadsNeverSeeATornSlot) {
   EXPECT_GT(ok.load(), 0);
 }
 
-}  // namespace
+}  // namespace test_slot_buffer
 }  // namespace spindle::shm

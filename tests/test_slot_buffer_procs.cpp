@@ -29,7 +29,7 @@
 #include "tests/slot_test_util.h"
 
 namespace spindle::shm {
-namespace {
+namespace test_slot_buffer_procs {
 
 using testutil::stamp_slot;
 using testutil::verify_stamp;
@@ -208,5 +208,5 @@ TEST(SlotBufferProcs, WriterKilledInsideASlotIsDetectedAndReclaimed) {
   EXPECT_EQ(out, before);
 }
 
-}  // namespace
+}  // namespace test_slot_buffer_procs
 }  // namespace spindle::shm

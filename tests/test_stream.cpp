@@ -22,7 +22,7 @@
 #include "stream_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_stream {
 
 using namespace std::chrono_literals;
 using testutil::close_fd;
@@ -810,5 +810,5 @@ TEST(StreamWriteError, LargeWriteToPipeClosedMidWay) {
   close_fd(in.b);
 }
 
-}  // namespace
+}  // namespace test_stream
 }  // namespace spindle

@@ -13,7 +13,7 @@
 #include "stream/port.h"
 
 namespace spindle {
-namespace {
+namespace test_tx_gate {
 
 // A gate as an open, idle stream has it: its handshake done, nothing queued.
 void open(TxGate& g) {
@@ -73,5 +73,5 @@ TEST(TxGate, FramesTheBrokerQueuedDuringAPartialWriteWaitForTheRest) {
   EXPECT_FALSE(g.try_acquire_direct());
 }
 
-}  // namespace
+}  // namespace test_tx_gate
 }  // namespace spindle

@@ -29,7 +29,7 @@
 #include "tests/router_test_util.h"
 
 namespace spindle {
-namespace {
+namespace test_zygote {
 
 using namespace testutil;
 using namespace std::chrono_literals;
@@ -231,5 +231,5 @@ TEST_F(ZygoteTest, RouterOptionsReachTheChild) {
   expect_exit_code(c, 0);
 }
 
-}  // namespace
+}  // namespace test_zygote
 }  // namespace spindle
