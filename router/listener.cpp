@@ -168,12 +168,15 @@ void Listener::start() {
         broker_.add_participant(this);
         socket_.assign(std::exchange(fd_, -1));
         accepting_ = true;
+        // Said before the first accept can complete (on this thread): a
+        // client's "connected" line never comes before it in the log.
+        log().info("listener: accepting clients on {}{}", address_text_,
+                   from_systemd_ ? " (from systemd)" : "");
         arm_accept();
         started.set_value();
       }))
     throw ShutdownError("cannot start accepting: the broker is shutting down");
   f.wait();
-  log().info("listener: accepting clients on {}{}", address_text_, from_systemd_ ? " (from systemd)" : "");
 }
 
 Listener::Listener(Router& router, ListenerOptions opts, bool from_systemd, std::string address)
