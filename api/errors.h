@@ -35,7 +35,10 @@ class ChannelError : public Error {
 };
 
 // The remote handler threw. type() names the exception type, what() is
-// "type: message".
+// "type: message". A handler or exposed function that throws a CallError
+// answers with its type() and message() (to name another language's
+// exception, or pass on a failure it was told of); any other exception
+// answers with its C++ type and what().
 class CallError : public Error {
  public:
   CallError(std::string type, std::string message)

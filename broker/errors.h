@@ -3,6 +3,8 @@
 // Thread safety: plain value types.
 #pragma once
 
+#include <exception>
+#include <string>
 #include <string_view>
 
 #include "spindle/errors.h"
@@ -12,6 +14,21 @@ namespace spindle {
 // errno's description without strerror()'s locale lookup, which takes a lock
 // that a fork() could leave held in the child.
 const char* errno_text(int err);
+
+// What a caller is told when a handler or an exposed function throws `e`:
+// the type and the text of the CallError it receives. A spindle::CallError
+// keeps its own type and message, so a function can answer with a type
+// of its choosing (another language's exception, a nested call's failure
+// passed on); any other std::exception gives its demangled dynamic type and
+// what(). Every place that turns an exception into an error reply uses it.
+struct ThrownError {
+  std::string type;
+  std::string message;
+};
+ThrownError thrown_error(const std::exception& e);
+// The same for whatever the current exception is (inside a catch block),
+// including one that is not a std::exception.
+ThrownError current_thrown_error();
 
 // Named texts, so tests and peers can match on them.
 namespace errtext {

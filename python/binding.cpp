@@ -18,7 +18,6 @@ PYBIND11_MODULE(_spindle, m) {
   m.attr("SHUTDOWN") = static_cast<int>(kShutdown);
   m.attr("OTHER_ERROR") = static_cast<int>(kOtherError);
   // The SE type of an exposed Python function's exception (runtime_objects.cpp).
-  m.attr("PYTHON_EXCEPTION_TYPE") = "spindle::python::PythonException";
 
   m.def("pack", [](py::handle obj, py::handle pickler) { return to_bytes(pack(obj, pickler)); },
         py::arg("obj"), py::arg("pickler") = py::none(),

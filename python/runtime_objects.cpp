@@ -25,13 +25,6 @@
 
 namespace spindle::python {
 
-// The exception an exposed Python function's failure becomes on the wire:
-// its SE type is this class's name, and its text is what the package's
-// handler formatted ("Type: message" and the traceback; see __init__.py).
-struct PythonException : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 namespace {
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -123,19 +116,24 @@ struct PyChildEnv {
                         [ref](const Payload& args) -> Payload {
                           // A worker or serve() thread, never the broker's.
                           py::gil_scoped_acquire gil;
-                          std::string failure;
+                          std::string type, message;
                           try {
                             // The package's handler: (True, result bytes) or
-                            // (False, the formatted exception).
+                            // (False, (type name, text and traceback)).
                             py::tuple r = ref->get()(to_bytes(args));
                             if (r[0].cast<bool>()) return from_bytes(r[1]);
-                            failure = r[1].cast<std::string>();
+                            auto failure = r[1].cast<py::tuple>();
+                            type = failure[0].cast<std::string>();
+                            message = failure[1].cast<std::string>();
                           } catch (py::error_already_set& e) {
                             // Only if the handler itself failed; the Python
                             // error must not outlive the GIL held here.
-                            failure = e.what();
+                            type = "spindle.Error";
+                            message = e.what();
                           }
-                          throw PythonException(failure);
+                          // A CallError keeps its type on the wire: the
+                          // caller, C++ or Python, sees the Python type.
+                          throw CallError(std::move(type), std::move(message));
                         });
   }
   int serve() {

@@ -10,11 +10,6 @@
 // A dead reply carries the unreachable context as its src_id: the router
 // answers on that context's behalf, and a caller accepts replies to a call
 // only from its callee (docs/PROTOCOL.md §7.5).
-#include <cxxabi.h>
-
-#include <cstdlib>
-#include <typeinfo>
-
 #include <fmt/format.h>
 
 #include "broker/errors.h"
@@ -25,17 +20,6 @@
 #include "stream/memfd.h"
 
 namespace spindle {
-namespace {
-
-std::string demangle(const char* mangled) {
-  int status = 0;
-  char* s = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
-  std::string out = (status == 0 && s) ? s : mangled;
-  std::free(s);
-  return out;
-}
-
-}  // namespace
 
 // The read batch of a stream: output is corked until its end.
 void Router::on_stream_batch_begin(Stream&) { ++batch_depth_; }
@@ -293,22 +277,18 @@ void Router::dispatch_local(Message&& m) {
   if (m.sealed_body && !map_sealed_body(m)) return;
   ++stats_.delivered_locally;
   const Header head = m.header;
-  std::string type, what;
+  ThrownError thrown;
   try {
     h->fn(std::move(m));
     return;
-  } catch (const std::exception& e) {
-    type = demangle(typeid(e).name());
-    what = e.what();
   } catch (...) {
-    type = "unknown exception";
-    what = "the handler threw something that is not a std::exception";
+    thrown = current_thrown_error();
   }
-  log().info("handler for handle {} threw {}: {}", head.handle, type, what);
+  log().info("handler for handle {} threw {}: {}", head.handle, thrown.type, thrown.message);
   if (head.reply_to != 0 && !head.is_dead()) {
     Message req;
     req.header = head;
-    send_internal(Message::call_error(req, type, what));
+    send_internal(Message::call_error(req, thrown.type, thrown.message));
   }
 }
 

@@ -5,11 +5,7 @@
 // blocking a worker. Dead replies use route(), which never waits either.
 #include "services/reply.h"
 
-#include <cxxabi.h>
-
-#include <cstdlib>
 #include <future>
-#include <typeinfo>
 
 #include "broker/log.h"
 #include "services/reasons.h"
@@ -39,15 +35,6 @@ void del_handler_on_broker(Router& router, std::uint32_t handle) {
     f.wait();
   else
     router.del_handler(handle);
-}
-
-std::string exception_type(const std::exception& e) {
-  const char* mangled = typeid(e).name();
-  int status = 0;
-  char* s = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
-  std::string out = status == 0 && s ? s : mangled;
-  std::free(s);
-  return out;
 }
 
 ReplyState::ReplyState(Router& router, const Message& request) : router_(router) {

@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "broker/errors.h"
 #include "router/router.h"
 
 namespace spindle::services {
@@ -31,8 +32,6 @@ void send_dead_reply(Router& router, const Message& request, std::string_view re
 // Removes a handler on the broker thread, where handlers run, so that none
 // is still running it when this returns (plain del_handler() otherwise).
 void del_handler_on_broker(Router& router, std::uint32_t handle);
-// The demangled dynamic type of `e`, for CallError replies.
-std::string exception_type(const std::exception& e);
 
 class ReplyState;
 
@@ -43,7 +42,10 @@ class Reply {
   // Each returns false if the call was already answered.
   bool send(Payload result) const;
   bool fail(std::string_view type, std::string_view message) const;
-  bool fail(const std::exception& e) const { return fail(exception_type(e), e.what()); }
+  bool fail(const std::exception& e) const {
+    ThrownError t = thrown_error(e);
+    return fail(t.type, t.message);
+  }
   bool sent() const;
   bool valid() const { return st_ != nullptr; }
   const std::shared_ptr<ReplyState>& state() const { return st_; }

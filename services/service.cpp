@@ -88,12 +88,10 @@ void Service::run(Request& req, const Exposed& m) {
   try {
     Payload result = m.fn(req);
     if (!req.deferred()) reply.send(std::move(result));
-  } catch (const std::exception& e) {
-    std::string type = exception_type(e);
-    log().info("service {}: {} threw {}: {}", name_, req.method(), type, e.what());
-    reply.fail(type, e.what());
   } catch (...) {
-    reply.fail("unknown", "a non-std exception was thrown");
+    ThrownError t = current_thrown_error();
+    log().info("service {}: {} threw {}: {}", name_, req.method(), t.type, t.message);
+    reply.fail(t.type, t.message);
   }
 }
 

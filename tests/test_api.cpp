@@ -48,6 +48,7 @@ inline constexpr spindle::method<long()> tid{"tid"};
 inline constexpr spindle::method<long()> count{"count"};
 inline constexpr spindle::method<void(long)> nap{"nap"};
 inline constexpr spindle::method<long(std::string)> fail{"fail"};
+inline constexpr spindle::method<long(std::string, std::string)> fail_as{"fail_as"};
 inline constexpr spindle::method<long(std::uint32_t)> ask_sibling{"ask_sibling"};
 inline constexpr spindle::method<long(long)> open_square{"open.square"};
 inline constexpr spindle::method<void(spindle::Sender<long>, long)> count_to{"count_to"};
@@ -60,6 +61,9 @@ int child_main(spindle::ChildEnv& env) {
   env.expose(count, [&calls] { return ++calls; });
   env.expose(nap, [](long ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
   env.expose(fail, [](std::string why) -> long { throw std::invalid_argument(why); });
+  env.expose(fail_as, [](std::string type, std::string why) -> long {
+    throw spindle::CallError(std::move(type), std::move(why));
+  });
   env.expose(open_square, [](long n) { return n * n; }, spindle::Allow::kAnyone);
   env.expose(count_to, [](spindle::Sender<long> to, long n) {
     for (long i = 1; i <= n; ++i) to.send(i);
@@ -125,6 +129,16 @@ TEST_F(Api, RemoteExceptionArrivesAsCallErrorInEveryForm) {
     std::rethrow_exception(seen.get());
   } catch (const spindle::CallError& e) {
     check(e);
+  }
+}
+
+TEST_F(Api, AFunctionThatThrowsCallErrorAnswersWithItsTypeAndMessage) {
+  try {
+    child.call(fail_as, "mypkg.NotFound", "no such key");
+    ADD_FAILURE() << "no CallError";
+  } catch (const spindle::CallError& e) {
+    EXPECT_EQ(e.type(), "mypkg.NotFound");
+    EXPECT_EQ(e.message(), "no such key");
   }
 }
 

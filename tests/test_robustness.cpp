@@ -173,6 +173,30 @@ TEST(HandlerFailures, NonStdExceptionBecomesAnErrorReplyAndTheStreamGoesOn) {
   expect_exit_code(c, 0);
 }
 
+// A handler that throws spindle::CallError answers with that error's own type
+// and message, not "spindle::CallError": that is how a handler passes on a
+// failure it was told of, or names another language's exception.
+TEST(HandlerFailures, AThrownCallErrorKeepsItsTypeAndMessage) {
+  constexpr std::uint32_t kThrower = 2051;
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, [](ChildEnv& env) {
+    env.router().add_handler(
+        [](Message&&) -> void { throw CallError("KeyError", "'gone'"); }, {}, kThrower);
+    env.serve();
+    return 0;
+  }, named("thrower"));
+  try {
+    c.call(kThrower, "x", 10s);
+    ADD_FAILURE() << "no CallError";
+  } catch (const CallError& e) {
+    EXPECT_EQ(e.type(), "KeyError");
+    EXPECT_EQ(e.message(), "'gone'");
+  }
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
 // §4: a context sending to itself from the broker thread, message after
 // message, runs each handler from the queue, not nested inside the last.
 TEST(HandlerFailures, SelfSendsFromTheBrokerThreadDoNotRecurse) {

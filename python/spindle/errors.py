@@ -12,7 +12,8 @@ import traceback
 from . import _spindle
 
 # Separates an exception's text from its traceback in the SE reply of an
-# exposed Python function (a C++ caller sees both in CallError::message()).
+# exposed Python function, whose SE type is the exception's type name (a
+# C++ caller sees the text and the traceback in CallError::message()).
 _TRACEBACK_MARK = "\n\n--- remote traceback ---\n"
 
 
@@ -86,8 +87,9 @@ def _type_name(exc):
 
 
 def _format_exception(exc):
+    """(type name, text and traceback): what an exposed function's exception answers."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return f"{_type_name(exc)}: {exc}{_TRACEBACK_MARK}{tb}"
+    return _type_name(exc), f"{exc}{_TRACEBACK_MARK}{tb}"
 
 
 def _error_of(kind, a, b):
@@ -95,11 +97,8 @@ def _error_of(kind, a, b):
     a = a.decode("utf-8", "replace")
     if kind == _spindle.CALL_ERROR:
         message = b.decode("utf-8", "replace")
-        if a == _spindle.PYTHON_EXCEPTION_TYPE:
-            head, _, tb = message.partition(_TRACEBACK_MARK)
-            remote_type, _, text = head.partition(": ")
-            return CallError(remote_type, text, tb)
-        return CallError(a, message)
+        text, _, tb = message.partition(_TRACEBACK_MARK)
+        return CallError(a, text, tb)
     if kind == _spindle.CHANNEL_ERROR:
         return ChannelError(a)
     if kind == _spindle.TIMEOUT:

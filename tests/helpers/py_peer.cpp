@@ -62,15 +62,16 @@ int call_python(const std::string& python) {
     child.call<long>("py_fail", std::string("gone"));
     bad += check(false, "py_fail returned");
   } catch (const spindle::CallError& e) {
-    bad += check(e.type() == "spindle::python::PythonException" &&
-                     std::strstr(e.message().c_str(), "KeyError: 'gone'") != nullptr,
+    // The Python type on the wire; the text, then the Python traceback.
+    bad += check(e.type() == "KeyError" && e.message().rfind("'gone'", 0) == 0 &&
+                     std::strstr(e.message().c_str(), "--- remote traceback ---") != nullptr,
                  std::string("py_fail: ") + e.what());
   }
   try {
     child.call<long>("py_square", std::string("seven"));  // Python raises TypeError
     bad += check(false, "py_square(\"seven\") returned");
   } catch (const spindle::CallError& e) {
-    bad += check(std::strstr(e.message().c_str(), "TypeError") != nullptr,
+    bad += check(e.type() == "TypeError",
                  std::string("py_square(\"seven\"): ") + e.what());
   }
   int status = child.stop();
