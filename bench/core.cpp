@@ -406,10 +406,13 @@ RttRun spindle_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
 
 // The same round trip as a typed call (<spindle/spindle.h>): the child
 // exposes `echo` and serves it on its main thread; the bytes travel as a
-// msgpack string inside the service envelope.
+// msgpack string inside the service envelope. With `bytes_only`, the call
+// takes the same path (envelope, serving thread) with the 64 bytes as they
+// are and no msgpack: the difference between the two is what typing costs.
 inline constexpr spindle::method<std::string(std::string)> typed_echo{"bench.echo"};
+constexpr std::string_view kBytesEcho = "bench.bytes";
 
-RttRun typed_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
+RttRun typed_rtt(const Config& cfg, int parent_cpu, int child_cpu, bool bytes_only) {
   pin_this_thread(parent_cpu);
   RttRun run;
   {
@@ -418,6 +421,8 @@ RttRun typed_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
         [child_cpu](spindle::ChildEnv& env) {
           if (child_cpu >= 0) pin_all_threads(child_cpu);
           env.expose(typed_echo, [](std::string s) { return s; });
+          env.expose_encoded(kBytesEcho, spindle::Allow::kParent,
+                             [](const Payload& p) { return p; });
           return env.serve();
         },
         {.name = "typed-echo"});
@@ -426,7 +431,9 @@ RttRun typed_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
     run.us.reserve(static_cast<std::size_t>(cfg.rtt_iters));
     for (int i = 0; i < cfg.rtt_warmup + cfg.rtt_iters; ++i) {
       auto t0 = Clock::now();
-      std::string back = child.call(typed_echo, msg);
+      std::string back =
+          bytes_only ? child.call_named(kBytesEcho, Payload::copy_of(msg)).to_string()
+                     : child.call(typed_echo, msg);
       auto t1 = Clock::now();
       if (back != msg) throw std::runtime_error("typed echo: wrong reply");
       if (i >= cfg.rtt_warmup) run.us.push_back(usecs(t1 - t0));
@@ -558,14 +565,20 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
     // Issue 13's target: a typed call costs at most 1 us more than the raw
     // call above (its floor here). The typed function runs on the child's
     // main thread, not its broker's: one thread hand-off more.
-    RttRun ty = typed_rtt(cfg, k.parent, k.child);
+    RttRun ty = typed_rtt(cfg, k.parent, k.child, false);
     Stats t = summarize(ty.us);
+    // The same call with the bytes as they are: the hop without the typing.
+    Stats b = summarize(typed_rtt(cfg, k.parent, k.child, true).us);
     const double hop = semaphore_rtt_us(cfg, k.child >= 0 ? k.child : k.parent);
     add_row(fmt::format("  thread hand-off there and back ({})", k.label), "", fmt::format("{:.1f} us", hop), "");
     g_report.add("thread_handoff_rtt_" + row_word(k.label), hop, "us");
     add_row(fmt::format("rtt 64 B {}, typed call, median", k.label), fmt::format("{:.1f} us", t.median),
             fmt::format("{:.1f} us (raw call)", s.median), fmt::format("+{:.1f} us", t.median - s.median),
             "<= +1 us", t.median - s.median <= 1.0);
+    add_row(fmt::format("  typed call vs the same call in bytes ({})", k.label),
+            fmt::format("{:.1f} us", t.median), fmt::format("{:.1f} us (bytes)", b.median),
+            fmt::format("{:+.1f} us", t.median - b.median));
+    g_report.add("rtt_64B_bytes_call_" + row_word(k.label), b.median, "us", s.median);
     g_report.add("rtt_64B_typed_call_" + row_word(k.label), t.median, "us", s.median);
     g_report.add("rtt_64B_typed_call_" + row_word(k.label) + "_p99", t.p99, "us", s.p99);
   }
