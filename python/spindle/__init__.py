@@ -129,7 +129,26 @@ def _child_main(target):
     return main
 
 
-class Router:
+class _Endpoint:
+    """What Router and Connection share: their core, closing it, and `with`."""
+
+    def _close_core(self):
+        self._core.close()
+        self._owner._dispatcher.close()
+
+    def _abandon(self):
+        """In an os.fork() child: the copies refer to threads that do not exist here."""
+        self._owner._closed = True
+        self._core.abandon()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Router(_Endpoint):
     """Spindle in this process: its broker and the children it starts.
 
         with spindle.Router() as router:
@@ -196,21 +215,10 @@ class Router:
             child = ref()
             if child is not None:
                 child.stop()
-        self._core.close()
-        self._owner._dispatcher.close()
-
-    def _abandon(self):
-        self._owner._closed = True
-        self._core.abandon()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        self._close_core()
 
 
-class Connection:
+class Connection(_Endpoint):
     """This process as a client of a spindle-router (see connect())."""
 
     def __init__(self, path="", *, name=None, allow_pickle=False, timeout=10.0):
@@ -262,18 +270,7 @@ class Connection:
         if self._owner._closed:
             return
         self._owner._closed = True
-        self._core.close()
-        self._owner._dispatcher.close()
-
-    def _abandon(self):
-        self._owner._closed = True
-        self._core.abandon()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        self._close_core()
 
 
 def connect(path="", *, name=None, allow_pickle=False, timeout=10.0):
