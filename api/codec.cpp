@@ -108,6 +108,8 @@ struct ArgsWithFdsDeleter {
 
 }  // namespace
 
+std::string msgpack_shape_problem(std::span<const std::uint8_t> bytes) { return check_shape(bytes); }
+
 FdEncoding::FdEncoding() : outer_(t_encoding) { t_encoding = this; }
 FdEncoding::~FdEncoding() { t_encoding = outer_; }
 FdEncoding* FdEncoding::current() { return t_encoding; }

@@ -134,6 +134,11 @@ inline constexpr bool kCarriesFds = (std::is_same_v<std::decay_t<A>, UniqueFd> |
 // Unpacks `bytes` (throws DecodeError when they are not one well-formed
 // msgpack value, or declare more elements than they have bytes).
 msgpack::object_handle unpack_checked(const Payload& bytes, std::string_view what);
+// unpack_checked's input check alone: "" when `bytes` are one msgpack value
+// whose containers declare no more elements than there are bytes, else what
+// is wrong. For a decoder that unpacks by reference (the Python binding, so
+// that a large bin stays in the received mapping instead of being copied).
+std::string msgpack_shape_problem(std::span<const std::uint8_t> bytes);
 [[noreturn]] void throw_decode_error(std::string_view what, const std::exception& e);
 
 // An argument as the method's parameter type: itself when it already is

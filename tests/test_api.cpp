@@ -354,6 +354,12 @@ TEST(ApiCodec, AHostileContainerSizeIsRefusedBeforeAnythingIsAllocated) {
   }
   auto ok = spindle::detail::encode_args<long, std::string, std::vector<int>>(1L, "x", std::vector<int>{1, 2, 3});
   EXPECT_NO_THROW(spindle::detail::unpack_checked(ok, "arguments"));
+  // The check alone, as the Python binding uses it before unpacking by reference.
+  EXPECT_EQ(spindle::detail::msgpack_shape_problem(ok.contiguous()), "");
+  const std::string hostile("\xdd\xff\xff\xff\xff", 5);
+  EXPECT_NE(spindle::detail::msgpack_shape_problem(
+                {reinterpret_cast<const std::uint8_t*>(hostile.data()), hostile.size()}),
+            "");
 }
 
 }  // namespace test_api
