@@ -19,12 +19,12 @@ PYBIND11_MODULE(_spindle, m) {
   m.attr("OTHER_ERROR") = static_cast<int>(kOtherError);
   // The SE type of an exposed Python function's exception (runtime_objects.cpp).
 
-  m.def("pack", [](py::handle obj, py::handle pickler) { return to_bytes(pack(obj, pickler)); },
+  m.def("pack", [](py::handle obj, py::handle pickler) { return payload_object(pack(obj, pickler)); },
         py::arg("obj"), py::arg("pickler") = py::none(),
-        "obj as msgpack bytes; what msgpack cannot hold is pickled with pickler (ext type 80)");
+        "obj as msgpack (a _spindle.Payload; bytes(p) copies it out); large buffers are referenced, not copied; what msgpack cannot hold is pickled with pickler (ext type 80)");
   m.def("unpack", [](py::handle data, py::handle unpickler) { return unpack(from_bytes(data), unpickler); },
         py::arg("data"), py::arg("unpickler"),
-        "msgpack bytes as a Python value; ext type 80 goes to unpickler(bytes)");
+        "msgpack (a _spindle.Payload or bytes) as a Python value; ext type 80 goes to unpickler(bytes); a large bin is a read-only memoryview of it");
 
   // The package's exception classes, for C++ exceptions thrown at once
   // (not through a call's outcome): ShutdownError, ChannelError,
@@ -52,6 +52,7 @@ PYBIND11_MODULE(_spindle, m) {
     });
   });
 
+  bind_buffers(m);
   bind_runtime_objects(m);
 }
 

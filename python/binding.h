@@ -24,6 +24,7 @@
 #include <mutex>
 #include <string>
 
+#include <spindle/codec.h>
 #include <spindle/spindle.h>
 
 namespace spindle::python {
@@ -33,21 +34,62 @@ namespace py = pybind11;
 // msgpack ext type of a pickled Python object (pickle protocol 5 bytes).
 inline constexpr std::int8_t kPickleExtType = 80;
 
+// msgpack ext type of pickle protocol 5 with out-of-band buffers: the
+// body is the msgpack array [pickle bytes, buffer...] of bins.
+inline constexpr std::int8_t kPickleOutOfBandExtType = 82;
+// msgpack ext type of a numpy array sent out of band (PROTOCOL 12.7): the
+// body is a 2-byte big-endian header length, the header (msgpack
+// [dtype.str, [shape...]]) and then the array's bytes, C order.
+inline constexpr std::int8_t kNdarrayExtType = 81;
+// A buffer at least this large (RouterOptions::memfd_threshold's default)
+// is not copied into the msgpack stream: it is a slice of its own in the
+// Payload, and a received bin this large is a memoryview of the message.
+inline constexpr std::size_t kOutOfBandMin = std::size_t{1} << 20;
+
+// A Payload as a Python object (_spindle.Payload): what pack() returns and
+// the calls take and give, so a large value is never turned into bytes.
+struct PyPayload {
+  Payload payload;
+};
+
+// Builds a Payload of msgpack bytes and, between them, slices of Python
+// buffers that are referenced, not copied.
+class PayloadBuilder {
+ public:
+  msgpack::sbuffer& buffer() { return buf_; }
+  // Ends the current msgpack bytes and appends `size` bytes at `data`,
+  // kept alive by a reference to `keep` (bytes, or a memoryview).
+  void attach(py::handle keep, const void* data, std::size_t size);
+  Payload finish();
+
+ private:
+  void cut();
+  msgpack::sbuffer buf_;
+  Payload out_;
+};
+
+// A read-only memoryview of `size` bytes at `data` inside `p`, which it keeps
+// alive (with the memfd mapping or chunk the bytes live in).
+py::memoryview view_of(const Payload& p, const std::uint8_t* data, std::size_t size);
+py::object payload_object(Payload p);
+void bind_buffers(py::module_& m);
+
 // Python value -> msgpack. An object msgpack cannot hold is pickled with
-// `pickler` (a callable returning bytes) into ext type 80; with pickler
-// None it is a TypeError.
+// `pickler` (a callable returning bytes, or (bytes, [PickleBuffer...]) for
+// out-of-band buffers) into ext type 80 (82); with pickler None it is a
+// TypeError.
 Payload pack(py::handle obj, py::handle pickler);
 // msgpack -> Python value. The bytes of ext type 80 are passed to
 // `unpickler` (the package passes pickle.loads, or a function that raises
 // spindle.PickleRefusedError where pickle is not accepted).
 py::object unpack(const Payload& bytes, py::handle unpickler);
 py::bytes to_bytes(const Payload& p);
-Payload from_bytes(py::handle b);  // bytes, bytearray or memoryview
+Payload from_bytes(py::handle b);  // a _spindle.Payload (as it is), or bytes-like (copied)
 
 // How a call ended, as a tuple the package turns into a result or an
 // exception: (kind, a, b) with kind one of these.
 enum Outcome : int {
-  kOk = 0,          // a: the result as bytes
+  kOk = 0,          // a: the result as a _spindle.Payload
   kCallError = 1,   // a: remote type, b: remote message
   kChannel = 2,     // a: the reason
   kTimeout = 3,     // a: text

@@ -55,7 +55,7 @@ py::object Completions::get() {
   }
   if (!item) return py::none();  // closed
   py::tuple outcome = item->error ? outcome_of(item->error)
-                                  : py::make_tuple(static_cast<int>(kOk), to_bytes(item->result), py::none());
+                                  : py::make_tuple(static_cast<int>(kOk), payload_object(std::move(item->result)), py::none());
   return py::make_tuple(item->token, outcome);
 }
 

@@ -6,14 +6,20 @@
 // has __index__ (numpy's integers) is an int, a float subclass
 // (numpy.float64) a float. What does not fit (a set, an instance, an int
 // beyond 64 bits) is pickled into ext type 80 when a pickler is given; a
-// receiver decides whether it accepts pickle (see the package). Decoding walks the input once first
-// (detail::unpack_checked), so hostile bytes cannot make it allocate much.
+// receiver decides whether it accepts pickle (see the package).
+// Large values (kOutOfBandMin and up, PROTOCOL 12.7): a buffer is a bin and a
+// numpy array ext type 81 whose bytes are the exporter's own memory, a slice
+// of the Payload (buffers.cpp), never copied into the msgpack bytes; on
+// receipt they are read-only views of the message. Decoding walks the input
+// once first (detail::msgpack_shape_problem), so hostile bytes cannot make it
+// allocate much, then unpacks by reference (bin, str and ext not copied).
 // Thread: the caller holds the GIL.
 #include "binding.h"
 
 #include <cstring>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <spindle/codec.h>
 
@@ -24,20 +30,118 @@ namespace {
 // attack, and recursion must stay within the C stack.
 constexpr int kMaxDepth = 512;
 
-void pack_into(Packer& p, py::handle obj, py::handle pickler, int depth);
+void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler, int depth);
 
-void pack_pickled(Packer& p, py::handle obj, py::handle pickler) {
+std::size_t bin_header_size(std::size_t n) { return n <= 0xff ? 2 : n <= 0xffff ? 3 : 5; }
+std::size_t array_header_size(std::size_t n) { return n <= 15 ? 1 : n <= 0xffff ? 3 : 5; }
+
+// Pickle protocol 5 with out-of-band buffers (the pickler returned
+// (bytes, [PickleBuffer...])): ext type 82 whose body is the msgpack array
+// [pickle bytes, buffer...], each a bin; the buffers are slices of the
+// Payload, as a large bin is, so a numpy array inside an object is not
+// copied into the message either.
+void pack_pickled_out_of_band(Packer& p, PayloadBuilder& b, py::bytes data, py::list buffers) {
+  std::string_view s = data;
+  std::vector<py::object> views;
+  std::size_t body = array_header_size(buffers.size() + 1) + bin_header_size(s.size()) + s.size();
+  for (py::handle pb : buffers) {
+    py::object mv = py::reinterpret_steal<py::object>(PyMemoryView_FromObject(pb.ptr()));
+    if (!mv) throw py::error_already_set();
+    Py_buffer* v = PyMemoryView_GET_BUFFER(mv.ptr());
+    if (!PyBuffer_IsContiguous(v, 'C'))
+      throw py::value_error("spindle: an out-of-band pickle buffer is not contiguous");
+    const auto n = static_cast<std::size_t>(v->len);
+    if (n > UINT32_MAX) throw py::value_error("spindle: a pickle buffer above 4 GiB cannot travel as msgpack bin");
+    body += bin_header_size(n) + n;
+    views.push_back(std::move(mv));
+  }
+  if (body > UINT32_MAX) throw py::value_error("spindle: a pickled value above 4 GiB cannot travel as one msgpack ext");
+  p.pack_ext(static_cast<std::uint32_t>(body), kPickleOutOfBandExtType);
+  p.pack_array(static_cast<std::uint32_t>(views.size() + 1));
+  p.pack_bin(static_cast<std::uint32_t>(s.size()));
+  p.pack_bin_body(s.data(), static_cast<std::uint32_t>(s.size()));
+  for (py::object& mv : views) {
+    Py_buffer* v = PyMemoryView_GET_BUFFER(mv.ptr());
+    p.pack_bin(static_cast<std::uint32_t>(v->len));
+    b.attach(mv, v->buf, static_cast<std::size_t>(v->len));
+  }
+}
+
+void pack_pickled(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler) {
   if (pickler.is_none())
     throw py::type_error(std::string("spindle: cannot send a value of type ") +
                          std::string(py::str(py::type::handle_of(obj).attr("__qualname__"))) +
                          " as msgpack, and pickle is off for this call");
-  py::bytes b = pickler(obj);
-  std::string_view s = b;
+  py::object r = pickler(obj);
+  if (py::isinstance<py::tuple>(r)) {
+    auto t = r.cast<py::tuple>();
+    return pack_pickled_out_of_band(p, b, t[0].cast<py::bytes>(), t[1].cast<py::list>());
+  }
+  std::string_view s = r.cast<py::bytes>();
   p.pack_ext(s.size(), kPickleExtType);
   p.pack_ext_body(s.data(), s.size());
 }
 
-void pack_into(Packer& p, py::handle obj, py::handle pickler, int depth) {
+// A C-contiguous buffer of at least kOutOfBandMin bytes as a bin whose body
+// is the exporter's own memory (a slice of the Payload, not a copy); false
+// when it is smaller, so the caller packs it as before.
+bool pack_large_buffer(Packer& p, PayloadBuilder& b, py::handle obj) {
+  py::object mv = py::reinterpret_steal<py::object>(PyMemoryView_FromObject(obj.ptr()));
+  if (!mv) throw py::error_already_set();
+  Py_buffer* view = PyMemoryView_GET_BUFFER(mv.ptr());
+  if (static_cast<std::size_t>(view->len) < kOutOfBandMin) return false;
+  if (!PyBuffer_IsContiguous(view, 'C')) {
+    // A strided view: one copy into a contiguous bytes object, then as above.
+    mv = py::reinterpret_steal<py::object>(PyBytes_FromObject(obj.ptr()));
+    if (!mv) throw py::error_already_set();
+    return pack_large_buffer(p, b, mv);
+  }
+  if (static_cast<std::size_t>(view->len) > UINT32_MAX)
+    throw py::value_error("spindle: a buffer above 4 GiB cannot travel as msgpack bin");
+  p.pack_bin(static_cast<std::uint32_t>(view->len));
+  b.attach(mv, view->buf, static_cast<std::size_t>(view->len));
+  return true;
+}
+
+// A numpy array of at least kOutOfBandMin bytes (and no Python objects in
+// it) as ext type 81: its dtype and shape, then its bytes out of band. Not
+// for smaller ones, which keep their old form (pickle, ext 80), nor when
+// numpy was never imported (then there is no array).
+bool pack_ndarray(Packer& p, PayloadBuilder& b, py::handle obj) {
+  PyObject* numpy = PyImport_GetModule(py::str("numpy").ptr());
+  if (!numpy) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return false;
+  }
+  py::object np = py::reinterpret_steal<py::object>(numpy);
+  if (!py::isinstance(obj, np.attr("ndarray"))) return false;
+  if (obj.attr("nbytes").cast<std::size_t>() < kOutOfBandMin || obj.attr("dtype").attr("hasobject").cast<bool>())
+    return false;
+  py::object arr = np.attr("ascontiguousarray")(obj);  // itself when it already is
+  msgpack::sbuffer header;
+  Packer hp(header);
+  hp.pack_array(2);
+  std::string dtype = py::str(arr.attr("dtype").attr("str"));
+  hp.pack(dtype);
+  py::tuple shape = arr.attr("shape");
+  hp.pack_array(static_cast<std::uint32_t>(shape.size()));
+  for (py::handle d : shape) hp.pack_uint64(d.cast<std::uint64_t>());
+  if (header.size() > 0xffff) throw py::value_error("spindle: an array with too many dimensions to send");
+  py::object mv = py::reinterpret_steal<py::object>(PyMemoryView_FromObject(arr.ptr()));
+  if (!mv) throw py::error_already_set();
+  Py_buffer* view = PyMemoryView_GET_BUFFER(mv.ptr());
+  const std::size_t n = static_cast<std::size_t>(view->len);
+  if (n + 2 + header.size() > UINT32_MAX)
+    throw py::value_error("spindle: an array above 4 GiB cannot travel as one msgpack ext");
+  p.pack_ext(n + 2 + header.size(), kNdarrayExtType);
+  const char len[2] = {static_cast<char>(header.size() >> 8), static_cast<char>(header.size() & 0xff)};
+  p.pack_ext_body(len, 2);
+  p.pack_ext_body(header.data(), header.size());
+  b.attach(mv, view->buf, n);
+  return true;
+}
+
+void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler, int depth) {
   if (depth > kMaxDepth) throw py::value_error("spindle: value nested too deeply to send");
   PyObject* o = obj.ptr();
   if (o == Py_None) {
@@ -66,7 +170,7 @@ void pack_into(Packer& p, py::handle obj, py::handle pickler, int depth) {
     }
       PyErr_Clear();
     }
-    return pack_pickled(p, obj, pickler);  // beyond 64 bits
+    return pack_pickled(p, b, obj, pickler);  // beyond 64 bits
   }
   if (PyFloat_Check(o)) {
       p.pack_double(PyFloat_AS_DOUBLE(o));
@@ -86,12 +190,17 @@ void pack_into(Packer& p, py::handle obj, py::handle pickler, int depth) {
     if (static_cast<std::size_t>(PyBytes_GET_SIZE(o)) > UINT32_MAX)
       throw py::value_error("spindle: bytes above 4 GiB cannot travel as msgpack bin");
     p.pack_bin(static_cast<std::uint32_t>(PyBytes_GET_SIZE(o)));
+    if (static_cast<std::size_t>(PyBytes_GET_SIZE(o)) >= kOutOfBandMin) {
+      b.attach(obj, PyBytes_AS_STRING(o), static_cast<std::size_t>(PyBytes_GET_SIZE(o)));
+      return;
+    }
     {
       p.pack_bin_body(PyBytes_AS_STRING(o), static_cast<std::uint32_t>(PyBytes_GET_SIZE(o)));
       return;
     }
   }
   if (PyByteArray_Check(o) || PyMemoryView_Check(o)) {
+    if (pack_large_buffer(p, b, obj)) return;
     Py_buffer view;
     if (PyObject_GetBuffer(o, &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
     struct Release {
@@ -102,37 +211,93 @@ void pack_into(Packer& p, py::handle obj, py::handle pickler, int depth) {
       throw py::value_error("spindle: a buffer above 4 GiB cannot travel as msgpack bin");
     auto n = static_cast<std::uint32_t>(view.len);
     p.pack_bin(n);
-    {
-      p.pack_bin_body(static_cast<const char*>(view.buf), n);
-      return;
-    }
+    p.pack_bin_body(static_cast<const char*>(view.buf), n);
+    return;
   }
   if (PyList_Check(o) || PyTuple_Check(o)) {
     py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
     p.pack_array(static_cast<std::uint32_t>(seq.size()));
-    for (py::handle item : seq) pack_into(p, item, pickler, depth + 1);
+    for (py::handle item : seq) pack_into(p, b, item, pickler, depth + 1);
     return;
   }
   if (PyDict_Check(o)) {
     py::dict d = py::reinterpret_borrow<py::dict>(obj);
     p.pack_map(static_cast<std::uint32_t>(d.size()));
     for (auto kv : d) {
-      pack_into(p, kv.first, pickler, depth + 1);
-      pack_into(p, kv.second, pickler, depth + 1);
+      pack_into(p, b, kv.first, pickler, depth + 1);
+      pack_into(p, b, kv.second, pickler, depth + 1);
     }
     return;
   }
+  if (pack_ndarray(p, b, obj)) return;  // before __index__, which ndarray has
   if (PyIndex_Check(o)) {
     // An integer of another type (numpy.int64, ...): as the int it stands
     // for, so that a C++ callee reads it as one.
     py::object as_int = py::reinterpret_steal<py::object>(PyNumber_Index(o));
-    if (!as_int) throw py::error_already_set();
-    return pack_into(p, as_int, pickler, depth + 1);
+    if (as_int) return pack_into(p, b, as_int, pickler, depth + 1);
+    // A type with the slot that is not an integer after all (a small
+    // numpy array: "only integer scalar arrays ..."): pickled, as other
+    // values msgpack cannot hold.
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+    PyErr_Clear();
   }
-  pack_pickled(p, obj, pickler);
+  if (PyObject_CheckBuffer(o) && pack_large_buffer(p, b, obj)) return;
+  pack_pickled(p, b, obj, pickler);
 }
 
-py::object unpack_object(const msgpack::object& o, py::handle unpickler, int depth) {
+// An ext 81 body (see pack_ndarray) as a read-only numpy array over `src`.
+py::object unpack_ndarray(const Payload& src, const msgpack::object_ext& ext) {
+  const auto* body = reinterpret_cast<const std::uint8_t*>(ext.data());
+  const std::size_t n = ext.size;
+  auto bad = [] { return py::value_error("spindle: received a malformed numpy array (ext type 81)"); };
+  if (n < 2) throw bad();
+  const std::size_t hlen = (std::size_t{body[0]} << 8) | body[1];
+  if (hlen > n - 2) throw bad();
+  std::string_view header(reinterpret_cast<const char*>(body + 2), hlen);
+  if (!detail::msgpack_shape_problem({body + 2, hlen}).empty()) throw bad();
+  msgpack::object_handle h = msgpack::unpack(header.data(), header.size());
+  const msgpack::object& o = h.get();
+  if (o.type != msgpack::type::ARRAY || o.via.array.size != 2 || o.via.array.ptr[0].type != msgpack::type::STR ||
+      o.via.array.ptr[1].type != msgpack::type::ARRAY)
+    throw bad();
+  const auto& d = o.via.array.ptr[0].via.str;
+  const auto& dims = o.via.array.ptr[1].via.array;
+  py::tuple shape(dims.size);
+  for (std::uint32_t i = 0; i < dims.size; ++i) {
+    if (dims.ptr[i].type != msgpack::type::POSITIVE_INTEGER) throw bad();
+    shape[i] = py::int_(dims.ptr[i].via.u64);
+  }
+  py::module_ np = py::module_::import("numpy");
+  py::object dtype = np.attr("dtype")(py::str(d.ptr, d.size));
+  if (dtype.attr("hasobject").cast<bool>()) throw bad();  // pointers from another process
+  // frombuffer checks that the bytes are a whole number of items; reshape,
+  // that they are exactly the shape's. Neither copies.
+  py::memoryview mv = view_of(src, body + 2 + hlen, n - 2 - hlen);
+  return np.attr("frombuffer")(mv, dtype).attr("reshape")(shape);
+}
+
+// An ext 82 body (see pack_pickled_out_of_band): unpickler(bytes,
+// buffers=[read-only memoryviews of the message]).
+py::object unpack_pickled_out_of_band(const Payload& src, const msgpack::object_ext& ext, py::handle unpickler) {
+  const auto* body = reinterpret_cast<const std::uint8_t*>(ext.data());
+  auto bad = [] { return py::value_error("spindle: received a malformed out-of-band pickle (ext type 82)"); };
+  if (!detail::msgpack_shape_problem({body, ext.size}).empty()) throw bad();
+  msgpack::object_handle h = msgpack::unpack(reinterpret_cast<const char*>(body), ext.size,
+                                             [](msgpack::type::object_type, std::size_t, void*) { return true; });
+  const msgpack::object& o = h.get();
+  if (o.type != msgpack::type::ARRAY || o.via.array.size < 1) throw bad();
+  for (std::uint32_t i = 0; i < o.via.array.size; ++i)
+    if (o.via.array.ptr[i].type != msgpack::type::BIN) throw bad();
+  const auto& data = o.via.array.ptr[0].via.bin;
+  py::list buffers;
+  for (std::uint32_t i = 1; i < o.via.array.size; ++i) {
+    const auto& bin = o.via.array.ptr[i].via.bin;
+    buffers.append(view_of(src, reinterpret_cast<const std::uint8_t*>(bin.ptr), bin.size));
+  }
+  return unpickler(py::bytes(data.ptr, data.size), py::arg("buffers") = buffers);
+}
+
+py::object unpack_object(const Payload& src, const msgpack::object& o, py::handle unpickler, int depth) {
   if (depth > kMaxDepth) throw py::value_error("spindle: received value nested too deeply");
   switch (o.type) {
     case msgpack::type::NIL: return py::none();
@@ -142,25 +307,30 @@ py::object unpack_object(const msgpack::object& o, py::handle unpickler, int dep
     case msgpack::type::FLOAT32:
     case msgpack::type::FLOAT64: return py::float_(o.via.f64);
     case msgpack::type::STR: return py::str(o.via.str.ptr, o.via.str.size);
-    case msgpack::type::BIN: return py::bytes(o.via.bin.ptr, o.via.bin.size);
+    case msgpack::type::BIN:
+      if (o.via.bin.size >= kOutOfBandMin)  // a view of the message (the memfd's mapping)
+        return view_of(src, reinterpret_cast<const std::uint8_t*>(o.via.bin.ptr), o.via.bin.size);
+      return py::bytes(o.via.bin.ptr, o.via.bin.size);
     case msgpack::type::ARRAY: {
       py::list l(o.via.array.size);
       for (std::uint32_t i = 0; i < o.via.array.size; ++i)
-        l[i] = unpack_object(o.via.array.ptr[i], unpickler, depth + 1);
+        l[i] = unpack_object(src, o.via.array.ptr[i], unpickler, depth + 1);
       return l;
     }
     case msgpack::type::MAP: {
       py::dict d;
       for (std::uint32_t i = 0; i < o.via.map.size; ++i) {
-        py::object k = unpack_object(o.via.map.ptr[i].key, unpickler, depth + 1);
+        py::object k = unpack_object(src, o.via.map.ptr[i].key, unpickler, depth + 1);
         if (PyList_Check(k.ptr())) k = py::tuple(k);  // msgpack arrays as keys: hashable
-        d[k] = unpack_object(o.via.map.ptr[i].val, unpickler, depth + 1);
+        d[k] = unpack_object(src, o.via.map.ptr[i].val, unpickler, depth + 1);
       }
       return d;
     }
     case msgpack::type::EXT:
       if (o.via.ext.type() == kPickleExtType)
         return unpickler(py::bytes(o.via.ext.data(), o.via.ext.size));
+      if (o.via.ext.type() == kNdarrayExtType) return unpack_ndarray(src, o.via.ext);
+      if (o.via.ext.type() == kPickleOutOfBandExtType) return unpack_pickled_out_of_band(src, o.via.ext, unpickler);
       throw py::value_error("spindle: received msgpack ext type " +
                             std::to_string(static_cast<int>(o.via.ext.type())) +
                             ", which Python does not take (fds arrive in part 2)");
@@ -171,20 +341,30 @@ py::object unpack_object(const msgpack::object& o, py::handle unpickler, int dep
 }  // namespace
 
 Payload pack(py::handle obj, py::handle pickler) {
-  msgpack::sbuffer buf;
-  Packer p(buf);
-  pack_into(p, obj, pickler, 0);
-  return detail::payload_of(std::move(buf));
+  PayloadBuilder b;
+  Packer p(b.buffer());
+  pack_into(p, b, obj, pickler, 0);
+  return b.finish();
 }
 
 py::object unpack(const Payload& bytes, py::handle unpickler) {
+  // Unpacked by reference: bin, str and ext point into `src`, so a large bin
+  // becomes a view of the received bytes. They must be one range for that;
+  // a message in several slices is joined once (a memfd body never is).
+  Payload src = bytes.contiguous().size() == bytes.size() ? bytes : bytes.owned_copy();
+  std::span<const std::uint8_t> b = src.contiguous();
+  std::string problem = detail::msgpack_shape_problem(b);
+  if (!problem.empty())
+    throw py::value_error("spindle: received bytes that are not msgpack: value: not one msgpack value (" +
+                          problem + ")");
   msgpack::object_handle h;
   try {
-    h = detail::unpack_checked(bytes, "value");
+    h = msgpack::unpack(reinterpret_cast<const char*>(b.data()), b.size(),
+                        [](msgpack::type::object_type, std::size_t, void*) { return true; });
   } catch (const std::exception& e) {
     throw py::value_error(std::string("spindle: received bytes that are not msgpack: ") + e.what());
   }
-  return unpack_object(h.get(), unpickler, 0);
+  return unpack_object(src, h.get(), unpickler, 0);
 }
 
 py::bytes to_bytes(const Payload& p) {
@@ -195,6 +375,7 @@ py::bytes to_bytes(const Payload& p) {
 }
 
 Payload from_bytes(py::handle b) {
+  if (py::isinstance<PyPayload>(b)) return b.cast<const PyPayload&>().payload;
   py::buffer_info info = py::reinterpret_borrow<py::buffer>(b).request();
   return Payload::copy_of(std::span<const std::uint8_t>(
       static_cast<const std::uint8_t*>(info.ptr), static_cast<std::size_t>(info.size * info.itemsize)));

@@ -49,7 +49,7 @@ struct PyContext {
       }
     }
     if (error) return outcome_of(error);
-    return py::make_tuple(static_cast<int>(kOk), to_bytes(result), py::none());
+    return py::make_tuple(static_cast<int>(kOk), payload_object(std::move(result)), py::none());
   }
 
   void start_call(const std::string& name, py::handle args, double timeout,
@@ -120,7 +120,7 @@ struct PyChildEnv {
                           try {
                             // The package's handler: (True, result bytes) or
                             // (False, (type name, text and traceback)).
-                            py::tuple r = ref->get()(to_bytes(args));
+                            py::tuple r = ref->get()(payload_object(args));
                             if (r[0].cast<bool>()) return from_bytes(r[1]);
                             auto failure = r[1].cast<py::tuple>();
                             type = failure[0].cast<std::string>();
@@ -167,8 +167,9 @@ int run_python_main(PyObject* main, ChildEnv& env) {
 
 struct PyRuntime {
   std::unique_ptr<Runtime> rt;
+  std::uint32_t max_message_size;  // this router's and its children's
 
-  PyRuntime(std::unique_ptr<Runtime> r) : rt(std::move(r)) {}
+  PyRuntime(std::unique_ptr<Runtime> r, std::uint32_t max) : rt(std::move(r)), max_message_size(max) {}
   PyRuntime(PyRuntime&&) = default;
   ~PyRuntime() { destroy_without_gil(rt); }
 
@@ -180,6 +181,7 @@ struct PyRuntime {
     Runtime& r = get();
     ChildOptions opts;
     opts.name = name;
+    opts.router.max_message_size = max_message_size;
     // Borrowed: the caller's frame keeps `main` alive across the fork, and
     // a raw pointer can be copied without the GIL's reference counting.
     PyObject* fn = main.ptr();
@@ -204,6 +206,7 @@ struct PyRuntime {
     Runtime& r = get();
     ChildOptions opts;
     opts.name = name;
+    opts.router.max_message_size = max_message_size;
     py::gil_scoped_release nogil;
     return PyChild{std::make_unique<Child>(r.spawn_child(program, args, std::move(opts)))};
   }
@@ -307,10 +310,13 @@ void bind_runtime_objects(py::module_& m) {
       .def("serve", &PyChildEnv::serve);
 
   py::class_<PyRuntime>(m, "Runtime")
-      .def(py::init([] {
-        py::gil_scoped_release nogil;
-        return PyRuntime{std::make_unique<Runtime>()};
-      }))
+      .def(py::init([](std::uint32_t max_message_size) {
+             RouterOptions opts;
+             opts.max_message_size = max_message_size;
+             py::gil_scoped_release nogil;
+             return PyRuntime{std::make_unique<Runtime>(std::move(opts)), max_message_size};
+           }),
+           py::arg("max_message_size"))
       .def_property_readonly("id", [](PyRuntime& r) { return r.get().id(); })
       .def("fork", &PyRuntime::fork)
       .def("spawn", &PyRuntime::spawn)
@@ -334,14 +340,21 @@ void bind_runtime_objects(py::module_& m) {
       .def("close", &PyConnection::close)
       .def("abandon", &PyConnection::abandon);
 
-  m.def("run_spawned_child", [](py::object main) {
-    PyObject* fn = main.ptr();  // borrowed: the caller keeps it alive
-    py::gil_scoped_release nogil;
-    return run_spawned_child([fn](ChildEnv& env) {
-      py::gil_scoped_acquire gil;
-      return run_python_main(fn, env);
-    });
-  });
+  m.def(
+      "run_spawned_child",
+      [](py::object main, std::uint32_t max_message_size) {
+        PyObject* fn = main.ptr();  // borrowed: the caller keeps it alive
+        RouterOptions opts;
+        opts.max_message_size = max_message_size;
+        py::gil_scoped_release nogil;
+        return run_spawned_child(
+            [fn](ChildEnv& env) {
+              py::gil_scoped_acquire gil;
+              return run_python_main(fn, env);
+            },
+            std::move(opts));
+      },
+      py::arg("main"), py::arg("max_message_size") = kDefaultMaxMessageSize);
 }
 
 }  // namespace spindle::python

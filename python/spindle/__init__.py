@@ -148,6 +148,11 @@ class _Endpoint:
         self.close()
 
 
+# The largest message between a Router and its children (a large buffer
+# argument or result is one message): Router(max_message_size=...) changes it.
+DEFAULT_MAX_MESSAGE_SIZE = 1 << 30
+
+
 class Router(_Endpoint):
     """Spindle in this process: its broker and the children it starts.
 
@@ -158,8 +163,11 @@ class Router(_Endpoint):
     calls still pending with ShutdownError.
     """
 
-    def __init__(self):
-        self._core = _spindle.Runtime()
+    def __init__(self, *, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
+        # Its own children are trusted, and a large array travels as one
+        # message (a sealed memfd): hence 1 GiB, not the C++ default 128 MiB.
+        self._max_message_size = int(max_message_size)
+        self._core = _spindle.Runtime(self._max_message_size)
         self._owner = _Owner("Router", allow_pickle=True)  # its own children only
         self._children = []
         _live.add(self)
@@ -198,7 +206,8 @@ class Router(_Endpoint):
             if not argv:
                 raise ValueError("spindle: spawn(argv=...) needs at least the program's path")
             return self._adopt(self._core.spawn(os.fspath(argv[0]), [str(a) for a in argv[1:]], name))
-        args = ["-m", "spindle.child"] + (["--main", main] if main else [])
+        args = ["-m", "spindle.child", "--max-message-size", str(self._max_message_size)]
+        args += ["--main", main] if main else []
         return self._adopt(self._core.spawn(python or sys.executable, args, name))
 
     def context(self, context_id):

@@ -31,11 +31,15 @@ def main(argv=None):
     parser.add_argument("--main", help="module:function run as function(env) instead of serving")
     parser.add_argument("--import", dest="imports", action="append", default=[],
                         help="a module to import first (its @spindle.expose functions are served)")
+    parser.add_argument("--max-message-size", type=int, default=None,
+                        help="the largest message taken from the parent (router.spawn() passes its own)")
     args = parser.parse_args(argv)
     for name in args.imports:
         importlib.import_module(name)
     target = _resolve(args.main) if args.main else None
-    return _spindle.run_spawned_child(spindle._child_main(target))
+    if args.max_message_size is None:
+        return _spindle.run_spawned_child(spindle._child_main(target))
+    return _spindle.run_spawned_child(spindle._child_main(target), args.max_message_size)
 
 
 if __name__ == "__main__":

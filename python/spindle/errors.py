@@ -68,11 +68,30 @@ class PickleRefusedError(Error):
 _spindle._set_error_classes(Error, ChannelError, TimeoutError, ShutdownError)
 
 
+# A buffer this large inside a pickled object (a numpy array's bytes) is not
+# put in the pickle stream: it travels beside it, uncopied (ext type 82).
+_OUT_OF_BAND_MIN = 1 << 20
+
+
 def _pickle_dumps(obj):
-    return pickle.dumps(obj, protocol=5)
+    """bytes, or (bytes, [PickleBuffer...]) when large buffers go out of band."""
+    buffers = []
+
+    def out_of_band(pb):
+        try:
+            raw = pb.raw()  # only a contiguous buffer can travel as it is
+        except BufferError:
+            return True
+        if raw.nbytes < _OUT_OF_BAND_MIN:
+            return True
+        buffers.append(pb)
+        return False
+
+    data = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
+    return (data, buffers) if buffers else data
 
 
-def _refuse_pickle(data):
+def _refuse_pickle(data, buffers=None):
     raise PickleRefusedError(
         "spindle: refused a pickled value: unpickling runs code, so pickle is "
         "accepted only between a parent and its own children; "

@@ -86,3 +86,53 @@ def exit_main(env):
     """A child main that leaves with sys.exit(7)."""
     import sys
     sys.exit(7)
+
+
+def memfd_mapping_of(address):
+    """The path of the mapping of this process that holds `address` ("" if none)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
+def address_of(buf):
+    """The address of the first byte of an ndarray or a buffer."""
+    import numpy
+    arr = buf if isinstance(buf, numpy.ndarray) else numpy.frombuffer(buf, dtype=numpy.uint8)
+    return arr.__array_interface__["data"][0]
+
+
+def max_rss():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def describe_buffer(buf):
+    """What a receiver sees of a large argument: its checksum, type, and where it lives."""
+    import zlib
+    import numpy
+    info = {"type": type(buf).__name__, "crc": zlib.crc32(memoryview(buf).cast("B")),
+            "nbytes": memoryview(buf).nbytes, "readonly": memoryview(buf).readonly,
+            "mapping": memfd_mapping_of(address_of(buf)), "max_rss": max_rss()}
+    if isinstance(buf, numpy.ndarray):
+        info["dtype"], info["shape"] = buf.dtype.str, list(buf.shape)
+    return info
+
+
+def make_array(nbytes):
+    """A uint64 array of nbytes, 0, 1, 2, ... (its checksum is known to the caller)."""
+    import numpy
+    return numpy.arange(nbytes // 8, dtype=numpy.uint64)
+
+
+def make_bytes(nbytes):
+    return bytes(range(256)) * (nbytes // 256)
+
+
+def describe_x(obj):
+    """describe_buffer of obj.x: an array inside a pickled object."""
+    return describe_buffer(obj.x)
