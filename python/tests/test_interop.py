@@ -28,6 +28,11 @@ def test_python_parent_calls_cpp_child(router):
     with pytest.raises(spindle.CallError) as info:
         c.call("square", pyfuncs.Point(1, 2))
     assert info.value.remote_type == "spindle::DecodeError"
+    # A large buffer is an ordinary bin to C++ (its bytes a slice of their
+    # own on the Python side), and a large bin comes back as a memoryview.
+    blob = bytes(range(256)) * (8 << 12)  # 8 MiB
+    back = c.call("blob.reversed", numpy.frombuffer(blob, dtype=numpy.uint8).copy().data)
+    assert isinstance(back, memoryview) and back.readonly and bytes(back) == blob[::-1]
     # A C++ child serves no Python module functions.
     with pytest.raises(spindle.ChannelError, match="unknown service: py"):
         c.call(pyfuncs.square, 2)

@@ -5,6 +5,7 @@
 //                            square(long) -> long
 //                            geo.mirror(Point) -> Point   (a struct: a map)
 //                            fail(string)                 throws std::invalid_argument
+//                            blob.reversed(bytes) -> bytes (large: out of band in Python)
 //   py_peer call-python PYTHON
 //                          a C++ parent of `PYTHON -m spindle.child --import pyfuncs`:
 //                          calls its Python functions by name, prints "ok" and
@@ -29,12 +30,14 @@ struct Point {
 inline constexpr spindle::method<long(long)> square{"square"};
 inline constexpr spindle::method<Point(Point)> mirror{"geo.mirror"};
 inline constexpr spindle::method<void(std::string)> fail{"fail"};
+inline constexpr spindle::method<std::vector<char>(std::vector<char>)> reversed{"blob.reversed"};
 
 int serve() {
   return spindle::run_spawned_child([](spindle::ChildEnv& env) {
     env.expose(square, [](long n) { return n * n; });
     env.expose(mirror, [](Point p) { return Point{p.y, p.x}; });
     env.expose(fail, [](std::string why) { throw std::invalid_argument(why); });
+    env.expose(reversed, [](std::vector<char> b) { return std::vector<char>(b.rbegin(), b.rend()); });
     return env.serve();
   });
 }
