@@ -54,6 +54,7 @@ PYBIND11_MODULE(_spindle, m) {
 
   bind_buffers(m);
   bind_runtime_objects(m);
+  bind_messages(m);
 }
 
 }  // namespace spindle::python

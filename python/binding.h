@@ -137,4 +137,9 @@ class PyRef {
 
 void bind_runtime_objects(py::module_& m);
 
+// Sending and receiving messages for one router (messages.cpp): a
+// _spindle.Port, which Runtime, Connection and ChildEnv give as port().
+py::object make_port(Router& router);
+void bind_messages(py::module_& m);
+
 }  // namespace spindle::python

@@ -307,7 +307,8 @@ void bind_runtime_objects(py::module_& m) {
         py::gil_scoped_release nogil;
         e.env->ready();
       })
-      .def("serve", &PyChildEnv::serve);
+      .def("serve", &PyChildEnv::serve)
+      .def("port", [](PyChildEnv& e) { return make_port(e.env->router()); });
 
   py::class_<PyRuntime>(m, "Runtime")
       .def(py::init([](std::uint32_t max_message_size) {
@@ -321,6 +322,7 @@ void bind_runtime_objects(py::module_& m) {
       .def("fork", &PyRuntime::fork)
       .def("spawn", &PyRuntime::spawn)
       .def("context", [](PyRuntime& r, std::uint32_t id) { return PyContext{r.get().context(id)}; })
+      .def("port", [](PyRuntime& r) { return make_port(r.get().router()); })
       .def("close", &PyRuntime::close)
       .def("abandon", &PyRuntime::abandon);
 
@@ -336,6 +338,7 @@ void bind_runtime_objects(py::module_& m) {
       .def("find", &PyConnection::find)
       .def("context", [](PyConnection& c, std::uint32_t id) { return PyContext{c.get().context(id)}; })
       .def("router_context", [](PyConnection& c) { return PyContext{c.get().router_context()}; })
+      .def("port", [](PyConnection& c) { return make_port(c.get().router()); })
       .def("env", &PyConnection::serving_env, py::keep_alive<0, 1>())
       .def("close", &PyConnection::close)
       .def("abandon", &PyConnection::abandon);

@@ -26,12 +26,14 @@ import weakref
 
 from . import _spindle
 from ._calls import (DEFAULT_TIMEOUT, _PY_CALL, Child, Context, _live, _Owner, _py_call)
-from .errors import (CallError, ChannelError, Error, PickleRefusedError, ShutdownError,
+from ._messages import Fd, Message, Receiver, Select, Sender, _decoding
+from .errors import (CallError, ChannelError, Error, FdError, PickleRefusedError, ShutdownError,
                      TimeoutError, _format_exception, _pickle_dumps, _refuse_pickle)
 
 __all__ = [
     "CallError", "ChannelError", "ChildEnv", "Connection", "Context", "Child",
-    "Error", "PickleRefusedError", "Router", "ShutdownError", "TimeoutError",
+    "Error", "Fd", "FdError", "Message", "PickleRefusedError", "Receiver", "Router",
+    "Select", "Sender", "ShutdownError", "TimeoutError",
     "DEFAULT_TIMEOUT", "connect", "expose",
 ]
 
@@ -48,6 +50,11 @@ class ChildEnv:
         self._unpickler = unpickler
         self._in_child = in_child  # False: a Connection's, serving router clients
         self._names = set()
+        self._port = core.port()
+
+    def receiver(self):
+        """A Receiver on a fresh handle of this context (see spindle.Receiver)."""
+        return Receiver(self._port, self._unpickler)
 
     @property
     def id(self):
@@ -60,10 +67,12 @@ class ChildEnv:
         positional msgpack arguments and returns one value.
         """
         unpickler = self._unpickler
+        port = self._port
 
         def handler(data):
             try:
-                args = _spindle.unpack(data, unpickler)
+                with _decoding(port):  # a Sender argument sends through this context
+                    args = _spindle.unpack(data, unpickler)
                 if not isinstance(args, list):
                     raise TypeError("spindle: the arguments are not a msgpack array")
                 return True, _spindle.pack(fn(*args), _pickle_dumps)
@@ -133,6 +142,7 @@ class _Endpoint:
     """What Router and Connection share: their core, closing it, and `with`."""
 
     def _close_core(self):
+        self._owner._close_receivers()  # before the router they refer to goes
         self._core.close()
         self._owner._dispatcher.close()
 
@@ -169,6 +179,7 @@ class Router(_Endpoint):
         self._max_message_size = int(max_message_size)
         self._core = _spindle.Runtime(self._max_message_size)
         self._owner = _Owner("Router", allow_pickle=True)  # its own children only
+        self._owner._port = self._core.port()
         self._children = []
         _live.add(self)
 
@@ -215,6 +226,10 @@ class Router(_Endpoint):
         self._owner._check()
         return Context(self._core.context(context_id), self._owner)
 
+    def receiver(self):
+        """A Receiver on a fresh handle of this router (closed with it)."""
+        return self._owner._receiver()
+
     def close(self):
         """Stops the children, then the broker. Idempotent."""
         if self._owner._closed:
@@ -233,6 +248,7 @@ class Connection(_Endpoint):
     def __init__(self, path="", *, name=None, allow_pickle=False, timeout=10.0):
         self._core = _spindle.Connection(path, name or "", timeout)
         self._owner = _Owner("Connection", allow_pickle)
+        self._owner._port = self._core.port()
         self._allow_pickle = allow_pickle
         self._env = None
         _live.add(self)
@@ -255,6 +271,10 @@ class Connection(_Endpoint):
         """The spindle-router's own context."""
         self._owner._check()
         return Context(self._core.router_context(), self._owner)
+
+    def receiver(self):
+        """A Receiver on a fresh handle of this client (closed with it)."""
+        return self._owner._receiver()
 
     def _serving_env(self):
         if self._env is None:

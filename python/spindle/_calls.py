@@ -13,6 +13,8 @@ import threading
 import weakref
 
 from . import _spindle
+from ._messages import Receiver, _decoding, _send
+from ._messages import _live as _live_messages
 from .errors import ShutdownError, _error_of, _pickle_dumps, _refuse_pickle
 
 #: Seconds a call waits for its answer unless told otherwise.
@@ -56,7 +58,7 @@ def _after_fork_in_child():
     # runtimes, whose threads do not exist here: their destructors would
     # wait for them. They are abandoned (leaked) instead; the child makes
     # its own Router if it wants one.
-    for obj in list(_live):
+    for obj in list(_live_messages) + list(_live):
         obj._abandon()
 
 
@@ -121,12 +123,25 @@ class _Owner:
         self._unpickler = pickle.loads if allow_pickle else _refuse_pickle
         self._dispatcher = _Dispatcher(self._decode)
         self._closed = False
+        self._port = None  # set by the Router or Connection: sends, makes receivers
+        self._receivers = weakref.WeakSet()
 
     def _decode(self, outcome):
         kind, a, b = outcome
         if kind == _spindle.OK:
-            return _spindle.unpack(a, self._unpickler)
+            with _decoding(self._port):  # a Sender in the result sends through this router
+                return _spindle.unpack(a, self._unpickler)
         raise _error_of(kind, a, b)
+
+    def _receiver(self):
+        self._check()
+        rx = Receiver(self._port, self._unpickler)
+        self._receivers.add(rx)
+        return rx
+
+    def _close_receivers(self):
+        for rx in list(self._receivers):
+            rx.close()
 
     def _check(self):
         if self._closed:
@@ -197,6 +212,19 @@ class Context:
     async def acall(self, fn, *args, **kwargs):
         """call() for asyncio: `await ctx.acall(fn, ...)`."""
         return await asyncio.wrap_future(self.call_async(fn, *args, **kwargs))
+
+    def send(self, handle, value, *, fds=None, reply_to=None):
+        """Sends value to `handle` of the context: fire-and-forget.
+
+        value is packed as a call argument is. fds (ints or objects with
+        fileno(), 253 at most) travel as duplicates: the caller keeps its
+        own. If the message is refused (no such handle, a closed receiver,
+        fds lost), a dead reply goes to reply_to (a Receiver of this
+        router), whose get() raises ChannelError or FdError; without
+        reply_to nobody hears of it.
+        """
+        self._owner._check()
+        _send(self._owner._port, self.id, handle, value, fds, reply_to)
 
 
 class Child(Context):

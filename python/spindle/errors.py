@@ -59,6 +59,17 @@ class ShutdownError(Error):
     __module__ = "spindle"
 
 
+class FdError(ChannelError):
+    """File descriptors were lost or refused on the way (a dead reply, PROTOCOL.md 13).
+
+    Most often the receiver was out of file descriptors (at RLIMIT_NOFILE:
+    the kernel dropped them, MSG_CTRUNC); the text names the cause. The
+    message was not delivered; its sender hears of it through reply_to.
+    """
+
+    __module__ = "spindle"
+
+
 class PickleRefusedError(Error):
     """A pickled value arrived where pickle is not accepted."""
 

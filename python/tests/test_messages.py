@@ -1,0 +1,238 @@
+"""ctx.send(), receivers, Senders and spindle.Select, between real processes.
+
+Timeouts here are failure bounds only: every wait ends with a message that
+the test caused, never with time passing (except the timeout tests).
+"""
+
+import pickle
+import threading
+
+import pytest
+
+import spindle
+
+BOUND = 20  # seconds: a failure bound, never a wait that "should be enough"
+
+
+# --- run in children (module-level: the children import them by name) ---
+
+def send_each(sender, values):
+    for v in values:
+        sender.send(v)
+    return len(values)
+
+
+def echo_main(env):
+    """A child that answers [sender, n] sent to its receiver with n * 2, on that sender."""
+    rx = env.receiver()
+    env.expose("rx_handle", lambda: rx.handle)
+
+    def loop():
+        for msg in rx:
+            back, n = msg.data
+            back.send(n * 2)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return env.serve()
+
+
+def sender_back(sender):
+    """Returns the Sender it was given: it travels back as a result."""
+    return sender
+
+
+# --- tests ---
+
+def test_send_to_a_childs_receiver_and_back(router):
+    child = router.fork(echo_main)
+    handle = child.call("rx_handle")
+    with router.receiver() as rx:
+        for n in (1, 21, 1000):
+            child.send(handle, [rx.sender, n])
+            msg = rx.get(timeout=BOUND)
+            assert msg.data == n * 2
+            assert msg.src_id == child.id
+            assert msg.handle == rx.handle
+            assert msg.receiver is rx
+            assert msg.fds == []
+
+
+def test_a_sender_passed_as_an_argument(router, child):
+    with router.receiver() as rx:
+        values = [0, "two", [3, 4], {"five": 5.0}, None, b"six", {7, 8}]  # a set is pickled
+        assert child.call(send_each, rx.sender, values) == len(values)
+        assert [rx.get(timeout=BOUND).data for _ in values] == values
+        assert rx.context_id == router.id
+
+
+def test_a_sender_comes_back_as_a_result_and_still_sends(router, child):
+    with router.receiver() as rx:
+        s = child.call(sender_back, rx.sender)
+        assert isinstance(s, spindle.Sender)
+        assert s == rx.sender
+        s.send("through the returned sender")
+        assert rx.get(timeout=BOUND).data == "through the returned sender"
+
+
+def test_iteration_ends_when_the_receiver_closes(router):
+    rx = router.receiver()
+    me = router.context(router.id)
+    for i in range(3):
+        me.send(rx.handle, i)
+    got = []
+    for msg in rx:
+        got.append(msg.data)
+        if len(got) == 3:
+            rx.close()
+    assert got == [0, 1, 2]
+
+
+def test_select_over_two_receivers_fed_by_two_children(router):
+    a, b = router.fork(name="a"), router.fork(name="b")
+    rx_a, rx_b = router.receiver(), router.receiver()
+    n = 200
+    # Both floods are queued before the Select takes anything: fairness
+    # then shows in the order the Select hands them out.
+    fa = a.call_async(send_each, rx_a.sender, [("a", i) for i in range(n)])
+    fb = b.call_async(send_each, rx_b.sender, [("b", i) for i in range(n)])
+    assert fa.result(BOUND) == n and fb.result(BOUND) == n
+    with spindle.Select([rx_a, rx_b]) as sel:
+        assert len(sel) == 2
+        got = [sel.get(timeout=BOUND) for _ in range(2 * n)]
+        for msg in got:
+            assert msg.receiver is (rx_a if msg.data[0] == "a" else rx_b)
+            assert msg.src_id == (a.id if msg.data[0] == "a" else b.id)
+        # Each receiver's messages in order, all of them.
+        assert [m.data[1] for m in got if m.data[0] == "a"] == list(range(n))
+        assert [m.data[1] for m in got if m.data[0] == "b"] == list(range(n))
+        # Fairness: the first 20 are not all from one receiver.
+        assert {m.data[0] for m in got[:20]} == {"a", "b"}
+        with pytest.raises(spindle.TimeoutError):
+            sel.get(timeout=0.05)
+    assert rx_a.closed and rx_b.closed
+
+
+def test_select_keeps_what_a_receiver_had_queued(router):
+    rx = router.receiver()
+    me = router.context(router.id)
+    for i in range(5):
+        me.send(rx.handle, i)
+    # The messages are queued by the broker thread: wait for the first one
+    # through the receiver itself, then move it with the rest queued.
+    first = rx.get(timeout=BOUND)
+    with spindle.Select() as sel:
+        sel.add(rx)
+        rest = [sel.get(timeout=BOUND).data for _ in range(4)]
+        assert [first.data] + rest == [0, 1, 2, 3, 4]
+        with pytest.raises(ValueError, match="belongs to a Select"):
+            rx.get(timeout=0)
+        with pytest.raises(ValueError, match="another Select"):
+            spindle.Select([rx])
+
+
+def test_a_thread_waiting_in_get_gets_a_message_sent_later(router, child):
+    with router.receiver() as rx:
+        result = []
+        t = threading.Thread(target=lambda: result.append(rx.get(timeout=BOUND).data))
+        t.start()  # waits with the GIL released: the call below runs meanwhile
+        child.call(send_each, rx.sender, ["late"])
+        t.join(BOUND)
+        assert result == ["late"]
+
+
+def test_timeouts(router):
+    with router.receiver() as rx, spindle.Select([router.receiver()]) as sel:
+        with pytest.raises(spindle.TimeoutError):
+            rx.get(timeout=0.05)
+        with pytest.raises(spindle.TimeoutError):
+            rx.get(timeout=0)
+        with pytest.raises(spindle.TimeoutError):
+            sel.get(timeout=0.05)
+        assert isinstance(spindle.TimeoutError("x"), TimeoutError)  # the builtin too
+        with pytest.raises(ValueError):
+            rx.get(timeout=-1)
+
+
+def test_a_closed_receiver(router):
+    rx = router.receiver()
+    handle = rx.handle
+    rx.close()
+    rx.close()  # idempotent
+    assert rx.closed
+    with pytest.raises(spindle.ChannelError, match="closed"):
+        rx.get(timeout=1)
+    # A message to it gets the library's dead reply, which reaches reply_to.
+    with router.receiver() as replies:
+        router.context(router.id).send(handle, "anyone?", reply_to=replies)
+        with pytest.raises(spindle.ChannelError, match="invalid handle"):
+            replies.get(timeout=BOUND)
+
+
+def test_close_wakes_a_waiting_thread(router):
+    rx = router.receiver()
+    errors = []
+
+    def wait():
+        try:
+            rx.get(timeout=BOUND)
+        except spindle.ChannelError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    # Closing before the thread waits is the same for it: get() then sees a
+    # closed receiver at once.
+    rx.close()
+    t.join(BOUND)
+    assert not t.is_alive() and len(errors) == 1
+
+
+def test_a_childs_send_to_a_closed_receiver_comes_back_dead(router, child):
+    rx = router.receiver()
+    s = rx.sender
+    rx.close()
+    with router.receiver() as replies:
+        # The child cannot hear of it without reply_to: a fire-and-forget send.
+        assert child.call(send_each, s, [1]) == 1
+        router.context(router.id).send(s.handle, 2, reply_to=replies)
+        with pytest.raises(spindle.ChannelError):
+            replies.get(timeout=BOUND)
+
+
+def test_send_checks_its_arguments_before_sending(router):
+    me = router.context(router.id)
+    with router.receiver() as rx:
+        with pytest.raises(TypeError):
+            me.send(rx.handle, 1, fds=["not an fd"])
+        with pytest.raises(TypeError):
+            me.send(rx.handle, 1, fds=5)
+        with pytest.raises(ValueError, match="253"):
+            me.send(rx.handle, 1, fds=[0] * 254)
+        with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+            me.send(rx.handle, lambda: 0)  # msgpack cannot hold it, pickle neither (as for calls)
+        with pytest.raises(spindle.TimeoutError):
+            rx.get(timeout=0)  # nothing was sent
+
+
+def test_a_routers_receiver_takes_pickled_values(router):
+    """As for calls: a Router accepts pickle (from its own children and itself)."""
+    with router.receiver() as rx:
+        router.context(router.id).send(rx.handle, {1, 2})
+        assert rx.get(timeout=BOUND).data == {1, 2}
+
+
+def test_closed_router_closes_its_receivers():
+    with spindle.Router() as r:
+        rx = r.receiver()
+    assert rx.closed
+    with pytest.raises(spindle.ShutdownError):
+        r.receiver()
+
+
+def test_env_receiver_in_a_spawned_child(router):
+    child = router.spawn(main="test_messages:echo_main")
+    handle = child.call("rx_handle")
+    with router.receiver() as rx:
+        child.send(handle, [rx.sender, 5])
+        assert rx.get(timeout=BOUND).data == 10
+    child.stop()
