@@ -23,6 +23,7 @@ PACKAGES=(
   python3-pybind11  # ... and its Python package, for Debian's /usr/bin/python3
   python3-numpy     # the Python binding: numpy payloads (issue 14, part 2) and their tests
   python3-pytest    # the Python binding's tests run with /usr/bin/python3 -m pytest
+  python3-zmq       # bench/python/bench_py.py: pyzmq REQ/REP and DEALER beside Spindle's Python calls
 )
 
 missing=()
