@@ -72,4 +72,15 @@ std::vector<UniqueFd> FdSet::dup_all() const {
   return v;
 }
 
+std::vector<UniqueFd> FdSet::take_all() {
+  std::shared_ptr<Held> h = std::move(held_);
+  if (!h) return {};
+  // Only the holders can copy `held_`: with one left (this one), no copy
+  // can appear while the fds move out.
+  if (h.use_count() == 1) return std::move(h->fds);
+  std::vector<UniqueFd> v;
+  for (const UniqueFd& f : h->fds) v.push_back(dup_fd(f.get()));
+  return v;
+}
+
 }  // namespace spindle

@@ -72,6 +72,11 @@ class FdSet {
   FdSet with_charge(std::shared_ptr<void> charge) &&;
   // Owned duplicates, for a receiver that keeps fds beyond the message.
   std::vector<UniqueFd> dup_all() const;
+  // The fds themselves, for a receiver that keeps them beyond the message
+  // (the Python binding): moved out if this is the last holder, so no new
+  // fd is needed (a process near RLIMIT_NOFILE cannot dup), duplicates
+  // otherwise. This FdSet is empty afterwards; its charge is released.
+  std::vector<UniqueFd> take_all();
 
  private:
   struct Held {

@@ -19,9 +19,9 @@
 //
 // Fds: send() duplicates the caller's fds (FdSet::dup_of, CLOEXEC); the
 // caller keeps its own. A received message's fds are handed to Python as
-// owned ints (duplicates of the message's: FdSet has no way to give its own
-// up, and the message closes those when it goes), which the package wraps
-// in spindle.Fd objects that close them exactly once.
+// owned ints (FdSet::take_all: the message's own, not duplicates, so a
+// receiver near RLIMIT_NOFILE needs no new fd), which the package wraps in
+// spindle.Fd objects that close them exactly once.
 //
 // Thread: entered with the GIL; every wait (the broker round trip of a
 // move or close, Select::get) releases it.
@@ -115,11 +115,10 @@ py::tuple message_tuple(std::uint64_t serial, Message& m) {
   if (!m.fds.empty()) {
     std::vector<UniqueFd> owned;
     try {
-      owned = m.fds.dup_all();
+      owned = m.fds.take_all();  // the message's own fds: no dup near RLIMIT_NOFILE
     } catch (const std::system_error& e) {
       raise_os_error(e);
     }
-    m.fds = {};  // the message's own go now
     for (UniqueFd& f : owned) fds.push_back(f.release());
   }
   py::object dead = py::none();

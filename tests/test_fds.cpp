@@ -460,5 +460,27 @@ TEST(FdsRouter, FdsToAPeerOnPipesAreRefusedWithANamedReason) {
   expect_exit_code(c, 0);
 }
 
+// take_all() moves the fds out of the last holder (no new fd: a receiver
+// at RLIMIT_NOFILE could not dup them) and duplicates them for a shared set.
+TEST(FdSetTakeAll, TheLastHolderGivesItsOwnFdsAndASharedSetDuplicates) {
+  std::vector<UniqueFd> made = pipe_fds(2);
+  const int r = made[0].get(), w = made[1].get();
+  FdSet alone(std::move(made));
+  std::vector<UniqueFd> taken = alone.take_all();
+  ASSERT_EQ(taken.size(), 2u);
+  EXPECT_EQ(taken[0].get(), r);
+  EXPECT_EQ(taken[1].get(), w);
+  EXPECT_TRUE(alone.empty());
+  EXPECT_TRUE(FdSet{}.take_all().empty());
+
+  FdSet shared(std::move(taken));
+  FdSet copy = shared;
+  std::vector<UniqueFd> dups = shared.take_all();
+  ASSERT_EQ(dups.size(), 2u);
+  EXPECT_NE(dups[0].get(), r);
+  EXPECT_EQ(identities(FdSet(std::move(dups))), identities(copy));
+  EXPECT_EQ(copy[0], r);  // the other holder keeps its own
+}
+
 }  // namespace test_fds
 }  // namespace spindle
