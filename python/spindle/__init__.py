@@ -11,6 +11,15 @@
         child.call_async(square, 3).result()  # a concurrent.futures.Future
         # await child.acall(square, 5)        # in a coroutine
 
+Besides calls, messages: a Receiver on a fresh handle, a Sender to it that
+travels as an argument, spindle.Select over several receivers, and file
+descriptors that arrive as spindle.Fd objects which close exactly once:
+
+    with router.receiver() as rx:
+        child.call(produce, rx.sender)        # produce(sender) calls sender.send(...)
+        msg = rx.get(timeout=5)               # msg.data, msg.fds, msg.src_id
+        child.send(handle, "hi", fds=[w])     # to a receiver of the child's
+
 The C++ library does the work (one broker thread per process, written in
 C++; no Python code ever runs on it). Arguments and results travel as
 msgpack, the wire format of the C++ typed calls, so that Python and C++

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 import spindle
+from test_router import router_socket  # noqa: F401 - a fixture
 
 BOUND = 20  # seconds: a failure bound, never a wait that "should be enough"
 
@@ -236,3 +237,17 @@ def test_env_receiver_in_a_spawned_child(router):
         child.send(handle, [rx.sender, 5])
         assert rx.get(timeout=BOUND).data == 10
     child.stop()
+
+
+def test_messages_between_router_clients_refuse_pickle(router_socket):
+    with spindle.connect(router_socket, name="rx-side") as a, spindle.connect(router_socket) as b:
+        with a.receiver() as rx:
+            to_a = b.context(a.id)
+            to_a.send(rx.handle, {"msgpack": [1, 2]})
+            assert rx.get(timeout=BOUND).data == {"msgpack": [1, 2]}
+            to_a.send(rx.handle, {1, 2})  # a set: pickled, which a client refuses
+            with pytest.raises(spindle.PickleRefusedError, match="allow_pickle=True"):
+                rx.get(timeout=BOUND)
+            to_a.send(rx.handle, "after")  # the receiver goes on
+            msg = rx.get(timeout=BOUND)
+            assert msg.data == "after" and msg.src_id == b.id
