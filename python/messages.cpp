@@ -194,6 +194,15 @@ void on_broker(Router& r, F fn) {
   f.get();
 }
 
+// At interpreter exit the GIL stays held (nothing else may run then).
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 std::uint64_t next_serial() {
   static std::uint64_t n = 0;  // under the GIL
   return ++n;
@@ -216,8 +225,8 @@ struct PyReceiver {
     try {
       Router& r = self.router();
       (void)r;
-      if (Py_IsInitialized() && PyGILState_Check()) {
-        py::gil_scoped_release nogil;
+      if (Py_IsInitialized() && !finalizing() && PyGILState_Check()) {
+        py::gil_scoped_release nogil;  // removing the handler waits for the broker
         rx.reset();
       } else {
         rx.reset();
