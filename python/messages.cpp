@@ -8,9 +8,11 @@
 // only thread that runs a receiver's handler (services::Receiver registers
 // it without any_thread), so no message can arrive in between: what was
 // queued in the old Select is taken out and kept, in order, in the new
-// core's `pending` list (served before its Select), the old receiver is
-// removed and a new one registered on the same handle. Fairness between
-// receivers is the library's (lanes.h).
+// core's `pending` queue for that receiver, the old receiver is removed and
+// a new one registered on the same handle. Fairness between receivers is
+// the library's (lanes.h); while moved messages are pending, their
+// receivers take turns with the Select, and a receiver's newer messages
+// wait behind its pending ones.
 //
 // A Port is what sends and makes receivers for one router (a Runtime's, a
 // Connection's or a ChildEnv's): it holds a Context on the router's own id,
