@@ -39,8 +39,11 @@ from ._messages import Fd, Message, Receiver, Select, Sender, _decoding
 from .errors import (CallError, ChannelError, Error, FdError, PickleRefusedError, ShutdownError,
                      TimeoutError, _format_exception, _pickle_dumps, _refuse_pickle)
 
+# A writable buffer over a fresh memfd, sent without a copy (binding.h).
+Buffer = _spindle.Buffer
+
 __all__ = [
-    "CallError", "ChannelError", "ChildEnv", "Connection", "Context", "Child",
+    "Buffer", "CallError", "ChannelError", "ChildEnv", "Connection", "Context", "Child",
     "Error", "Fd", "FdError", "Message", "PickleRefusedError", "Receiver", "Router",
     "Select", "Sender", "ShutdownError", "TimeoutError",
     "DEFAULT_TIMEOUT", "connect", "expose",
