@@ -417,6 +417,21 @@ def memcpy_fresh_seconds(src):
     return time.perf_counter() - t
 
 
+def memcpy_fresh_4k_seconds(src):
+    """The same into fresh memory that may not use transparent huge pages (as a
+    memfd, shmem, does not unless shmem_enabled says so): one fault per 4 KiB."""
+    import mmap
+    m = mmap.mmap(-1, src.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    dst = np.frombuffer(m, dtype=src.dtype)
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    t = time.perf_counter() - t
+    del dst
+    m.close()
+    return t
+
+
 # ---------------------------------------------------------------------------
 # Measurements
 # ---------------------------------------------------------------------------
@@ -623,6 +638,8 @@ def main():
     memcpy = statistics.median(payload.nbytes / memcpy_fresh_seconds(payload) / 1e9
                                for _ in range(big_reps + 1))
     report.add(f"py_array_{mib}MiB_memcpy_fresh", memcpy, "GB/s")
+    report.add(f"py_array_{mib}MiB_memcpy_fresh_4k_pages", statistics.median(
+        payload.nbytes / memcpy_fresh_4k_seconds(payload) / 1e9 for _ in range(big_reps + 1)), "GB/s")
     pieces = []
     for p in peers:
         if isinstance(p, MitogenPeer):
