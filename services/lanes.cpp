@@ -92,7 +92,12 @@ LaneSet::Push LaneSet::push(Lane& lane, Message& m) {
     std::lock_guard lk(mu_);
     if (draining_ || closed_ || lane.retired_) return Push::kClosed;
     const std::size_t size = m.data.size();
-    if (lane.queue_.size() >= lane.opts_.max_messages || lane.queued_bytes_ + size > lane.opts_.max_bytes) {
+    // The byte bound admits one message of any size into an empty lane: the
+    // message is already received (and charged to its sender by the router),
+    // so refusing it frees nothing, while a bound below the largest message
+    // would refuse every large call (a 256 MiB array) however idle the lane.
+    const bool over_bytes = !lane.queue_.empty() && lane.queued_bytes_ + size > lane.opts_.max_bytes;
+    if (lane.queue_.size() >= lane.opts_.max_messages || over_bytes) {
       ++stats_.refused_full;
       return Push::kFull;
     }

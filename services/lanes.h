@@ -46,7 +46,9 @@ namespace spindle::services {
 
 // What one lane may hold queued: past either bound a push is refused (the
 // sender gets a dead reply saying so), so the work a peer queues for a
-// service or a receiver is bounded however fast it sends.
+// service or a receiver is bounded however fast it sends. An empty lane
+// takes one message of any size (bounded by the router's maximum message
+// size), so a lane holds at most max(max_bytes, one message).
 inline constexpr std::size_t kDefaultLaneMaxMessages = 65536;
 inline constexpr std::size_t kDefaultLaneMaxBytes = 64u << 20;
 

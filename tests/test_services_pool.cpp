@@ -265,5 +265,29 @@ TEST(ServicesLanes, ALaneRefusesPastItsMaximum) {
   set.close();
 }
 
+// A message larger than the byte bound is admitted into an empty lane, once:
+// before, a call with a 65 MiB argument was refused ("service queue full")
+// by a service that had nothing queued at all.
+TEST(ServicesLanes, AnEmptyLaneTakesOneMessageLargerThanItsByteBound) {
+  services::LaneSet set;
+  services::LaneOptions o;
+  o.name = "small";
+  o.max_bytes = 1000;
+  services::Lane& lane = set.add_lane(o);
+  auto msg = [](std::size_t n) { return Message::make(1, 2, Payload::copy_of(std::string(n, 'x'))); };
+  Message huge = msg(5000);
+  EXPECT_EQ(set.push(lane, huge), services::LaneSet::Push::kQueued);
+  Message tiny = msg(1);
+  EXPECT_EQ(set.push(lane, tiny), services::LaneSet::Push::kFull)
+      << "past its bound the lane takes nothing more until it drains";
+  auto t = set.take(std::chrono::steady_clock::now() + 1s);
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->msg.data.size(), 5000u);
+  set.done(*t->lane);
+  Message next = msg(5000);
+  EXPECT_EQ(set.push(lane, next), services::LaneSet::Push::kQueued) << "empty again";
+  set.close();
+}
+
 }  // namespace test_services_pool
 }  // namespace spindle
