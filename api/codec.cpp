@@ -146,6 +146,33 @@ Payload payload_of(msgpack::sbuffer&& buf) {
   return p;
 }
 
+namespace {
+
+// The value inside a whole-message padded value (kPaddedExtType), or `b`
+// itself; `b` has passed check_shape, so an ext's length is within it.
+std::span<const std::uint8_t> unpadded(std::span<const std::uint8_t> b, std::string& problem) {
+  std::size_t len_bytes = 0;
+  switch (b.empty() ? 0 : b[0]) {
+    case 0xc7: len_bytes = 1; break;  // ext 8
+    case 0xc8: len_bytes = 2; break;  // ext 16
+    case 0xc9: len_bytes = 4; break;  // ext 32
+    default: return b;
+  }
+  const std::size_t head = 1 + len_bytes + 1;
+  if (static_cast<std::int8_t>(b[head - 1]) != kPaddedExtType) return b;
+  std::span<const std::uint8_t> body = b.subspan(head);
+  const std::size_t pad = body.size() < 2 ? 0 : read_be(body.data(), 2);
+  if (body.size() < 2 || pad > body.size() - 2) {
+    problem = "a padded value (ext type 83) whose pad runs past its end";
+    return {};
+  }
+  std::span<const std::uint8_t> inner = body.subspan(2 + pad);
+  problem = check_shape(inner);
+  return inner;
+}
+
+}  // namespace
+
 msgpack::object_handle unpack_checked(const Payload& bytes, std::string_view what) {
   std::string joined;
   std::span<const std::uint8_t> b = bytes.contiguous();
@@ -154,6 +181,7 @@ msgpack::object_handle unpack_checked(const Payload& bytes, std::string_view wha
     b = {reinterpret_cast<const std::uint8_t*>(joined.data()), joined.size()};
   }
   std::string problem = check_shape(b);
+  if (problem.empty()) b = unpadded(b, problem);
   if (!problem.empty())
     throw DecodeError(std::string(what) + ": not one msgpack value (" + problem + ")");
   try {

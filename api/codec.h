@@ -63,6 +63,11 @@ struct codec {
 
 // The msgpack ext type of an fd argument: its index in the message's fd set.
 inline constexpr std::int8_t kFdExtType = 70;  // 'F'
+// A padded value: ext type 83 whose body is pad_len:u16 (big-endian), that
+// many bytes to skip, then one msgpack value, which is what it decodes as.
+// A Python spindle.Buffer is sent as one so that its data start on a page of
+// the memfd it travels in (PROTOCOL.md 12.7); only a whole message is padded.
+inline constexpr std::int8_t kPaddedExtType = 83;
 
 template <>
 struct codec<UniqueFd> {

@@ -36,7 +36,9 @@ struct RouterOptions {
   // (stream/account.h, docs/PROTOCOL.md §14).
   std::size_t peer_memory_limit = kDefaultPeerMemoryLimit;
   std::size_t memory_limit = kDefaultGlobalMemoryLimit;
-  // A peer over its limit that does not read for this long is disconnected.
+  // A peer over its limit that does not read what is queued for it for this
+  // long is disconnected (one over its limit only because this process holds
+  // what it sent, such as a large result, is merely paused until released).
   std::chrono::milliseconds stall_timeout{10000};
   std::size_t outbox_size = kDefaultOutboxSize;
   // FORWARD_LOG from a listener's clients (always accepted from children).

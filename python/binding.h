@@ -22,10 +22,14 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include <spindle/codec.h>
 #include <spindle/spindle.h>
+
+#include "stream/memfd.h"
 
 namespace spindle::python {
 
@@ -45,6 +49,43 @@ inline constexpr std::int8_t kNdarrayExtType = 81;
 // is not copied into the msgpack stream: it is a slice of its own in the
 // Payload, and a received bin this large is a memoryview of the message.
 inline constexpr std::size_t kOutOfBandMin = std::size_t{1} << 20;
+
+// msgpack ext type of a padded value (api/codec.h): a spindle.Buffer's form.
+using spindle::kPaddedExtType;
+
+// The bytes of a numpy array's ext 81 form that come before its data: the
+// ext header, the header length and the header ([dtype, [shape...]]).
+std::string ndarray_prefix(const std::string& dtype, py::handle shape, std::size_t nbytes);
+
+// spindle.Buffer: a writable buffer over a fresh memfd, filled in place and
+// sent without a copy. The memfd holds one msgpack value, ext 83 around
+// `inner` (a bin, or an ndarray's ext 81), whose data start at a page
+// boundary after the header: sent as a whole message (send(), or a
+// function's result), the sealed memfd is the message body itself. Sealed
+// on first send; the writable view stays valid afterwards as the process's
+// private copy (PayloadBuffer::View::kKeepPrivate).
+class FabricBuffer {
+ public:
+  FabricBuffer(std::size_t n, std::string inner);
+  std::uint8_t* data() { return buf_.bytes().data() + head_; }
+  std::size_t size() const { return n_; }
+  bool sealed() const { return sealed_.has_value(); }
+  // The whole message, sealed on the first call.
+  const Payload& payload();
+  // The inner value's header, and its n data bytes inside payload().
+  std::string_view inner_prefix() const { return inner_; }
+  const std::uint8_t* sealed_data() { return payload().contiguous().data() + head_; }
+
+  py::object dtype = py::none();  // of .array; None for a plain buffer
+  py::object shape = py::none();
+
+ private:
+  std::size_t head_;  // the bytes before the data: a multiple of the page size
+  std::size_t n_;
+  std::string inner_;
+  PayloadBuffer buf_;
+  std::optional<Payload> sealed_;
+};
 
 // A Payload as a Python object (_spindle.Payload): what pack() returns and
 // the calls take and give, so a large value is never turned into bytes.

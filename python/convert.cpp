@@ -103,11 +103,22 @@ bool pack_large_buffer(Packer& p, PayloadBuilder& b, py::handle obj) {
   return true;
 }
 
+// spindle.Buffer inside a larger value: its inner value, whose data are a
+// slice of its sealed memfd (copied once more into the message's memfd).
+bool pack_fabric_buffer(PayloadBuilder& b, py::handle obj) {
+  if (!py::isinstance<FabricBuffer>(obj)) return false;
+  auto& fb = obj.cast<FabricBuffer&>();
+  const std::uint8_t* data = fb.sealed_data();
+  b.buffer().write(fb.inner_prefix().data(), fb.inner_prefix().size());
+  b.attach(obj, data, fb.size());
+  return true;
+}
+
 // A numpy array of at least kOutOfBandMin bytes (and no Python objects in
 // it) as ext type 81: its dtype and shape, then its bytes out of band. Not
 // for smaller ones, which keep their old form (pickle, ext 80), nor when
 // numpy was never imported (then there is no array).
-bool pack_ndarray(Packer& p, PayloadBuilder& b, py::handle obj) {
+bool pack_ndarray(PayloadBuilder& b, py::handle obj) {
   PyObject* numpy = PyImport_GetModule(py::str("numpy").ptr());
   if (!numpy) {
     if (PyErr_Occurred()) throw py::error_already_set();
@@ -118,25 +129,12 @@ bool pack_ndarray(Packer& p, PayloadBuilder& b, py::handle obj) {
   if (obj.attr("nbytes").cast<std::size_t>() < kOutOfBandMin || obj.attr("dtype").attr("hasobject").cast<bool>())
     return false;
   py::object arr = np.attr("ascontiguousarray")(obj);  // itself when it already is
-  msgpack::sbuffer header;
-  Packer hp(header);
-  hp.pack_array(2);
-  std::string dtype = py::str(arr.attr("dtype").attr("str"));
-  hp.pack(dtype);
-  py::tuple shape = arr.attr("shape");
-  hp.pack_array(static_cast<std::uint32_t>(shape.size()));
-  for (py::handle d : shape) hp.pack_uint64(d.cast<std::uint64_t>());
-  if (header.size() > 0xffff) throw py::value_error("spindle: an array with too many dimensions to send");
   py::object mv = py::reinterpret_steal<py::object>(PyMemoryView_FromObject(arr.ptr()));
   if (!mv) throw py::error_already_set();
   Py_buffer* view = PyMemoryView_GET_BUFFER(mv.ptr());
   const std::size_t n = static_cast<std::size_t>(view->len);
-  if (n + 2 + header.size() > UINT32_MAX)
-    throw py::value_error("spindle: an array above 4 GiB cannot travel as one msgpack ext");
-  p.pack_ext(n + 2 + header.size(), kNdarrayExtType);
-  const char len[2] = {static_cast<char>(header.size() >> 8), static_cast<char>(header.size() & 0xff)};
-  p.pack_ext_body(len, 2);
-  p.pack_ext_body(header.data(), header.size());
+  std::string prefix = ndarray_prefix(py::str(arr.attr("dtype").attr("str")), arr.attr("shape"), n);
+  b.buffer().write(prefix.data(), prefix.size());
   b.attach(mv, view->buf, n);
   return true;
 }
@@ -229,7 +227,8 @@ void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler,
     }
     return;
   }
-  if (pack_ndarray(p, b, obj)) return;  // before __index__, which ndarray has
+  if (pack_fabric_buffer(b, obj)) return;
+  if (pack_ndarray(b, obj)) return;  // before __index__, which ndarray has
   if (PyIndex_Check(o)) {
     // An integer of another type (numpy.int64, ...): as the int it stands
     // for, so that a C++ callee reads it as one.
@@ -297,6 +296,34 @@ py::object unpack_pickled_out_of_band(const Payload& src, const msgpack::object_
   return unpickler(py::bytes(data.ptr, data.size), py::arg("buffers") = buffers);
 }
 
+py::object unpack_object(const Payload& src, const msgpack::object& o, py::handle unpickler, int depth);
+
+// Unpacks exactly one msgpack value that fills `bytes` (inside `src`), by
+// reference: bin, str and ext point into `src`.
+py::object unpack_in(const Payload& src, std::span<const std::uint8_t> bytes, py::handle unpickler, int depth) {
+  std::string problem = detail::msgpack_shape_problem(bytes);
+  if (!problem.empty())
+    throw py::value_error("spindle: received bytes that are not msgpack: value: not one msgpack value (" +
+                          problem + ")");
+  msgpack::object_handle h;
+  try {
+    h = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), bytes.size(),
+                        [](msgpack::type::object_type, std::size_t, void*) { return true; });
+  } catch (const std::exception& e) {
+    throw py::value_error(std::string("spindle: received bytes that are not msgpack: ") + e.what());
+  }
+  return unpack_object(src, h.get(), unpickler, depth);
+}
+
+// An ext 83 body (kPaddedExtType): the value after the pad.
+py::object unpack_padded(const Payload& src, const msgpack::object_ext& ext, py::handle unpickler, int depth) {
+  const auto* body = reinterpret_cast<const std::uint8_t*>(ext.data());
+  const std::size_t pad = ext.size < 2 ? 0 : (std::size_t{body[0]} << 8) | body[1];
+  if (ext.size < 2 || pad > ext.size - 2)
+    throw py::value_error("spindle: received a malformed padded value (ext type 83)");
+  return unpack_in(src, {body + 2 + pad, ext.size - 2 - pad}, unpickler, depth + 1);
+}
+
 py::object unpack_object(const Payload& src, const msgpack::object& o, py::handle unpickler, int depth) {
   if (depth > kMaxDepth) throw py::value_error("spindle: received value nested too deeply");
   switch (o.type) {
@@ -331,6 +358,7 @@ py::object unpack_object(const Payload& src, const msgpack::object& o, py::handl
         return unpickler(py::bytes(o.via.ext.data(), o.via.ext.size));
       if (o.via.ext.type() == kNdarrayExtType) return unpack_ndarray(src, o.via.ext);
       if (o.via.ext.type() == kPickleOutOfBandExtType) return unpack_pickled_out_of_band(src, o.via.ext, unpickler);
+      if (o.via.ext.type() == kPaddedExtType) return unpack_padded(src, o.via.ext, unpickler, depth);
       throw py::value_error("spindle: received msgpack ext type " +
                             std::to_string(static_cast<int>(o.via.ext.type())) +
                             ", which Python does not take (fds arrive in part 2)");
@@ -340,7 +368,28 @@ py::object unpack_object(const Payload& src, const msgpack::object& o, py::handl
 
 }  // namespace
 
+std::string ndarray_prefix(const std::string& dtype, py::handle shape, std::size_t nbytes) {
+  msgpack::sbuffer header;
+  Packer hp(header);
+  hp.pack_array(2);
+  hp.pack(dtype);
+  py::tuple dims = py::reinterpret_borrow<py::tuple>(shape);
+  hp.pack_array(static_cast<std::uint32_t>(dims.size()));
+  for (py::handle d : dims) hp.pack_uint64(d.cast<std::uint64_t>());
+  if (header.size() > 0xffff) throw py::value_error("spindle: an array with too many dimensions to send");
+  if (nbytes + 2 + header.size() > UINT32_MAX)
+    throw py::value_error("spindle: an array above 4 GiB cannot travel as one msgpack ext");
+  msgpack::sbuffer out;
+  Packer(out).pack_ext(nbytes + 2 + header.size(), kNdarrayExtType);
+  const char len[2] = {static_cast<char>(header.size() >> 8), static_cast<char>(header.size() & 0xff)};
+  out.write(len, 2);
+  out.write(header.data(), header.size());
+  return std::string(out.data(), out.size());
+}
+
 Payload pack(py::handle obj, py::handle pickler) {
+  // A spindle.Buffer on its own is the whole message: its sealed memfd.
+  if (py::isinstance<FabricBuffer>(obj)) return obj.cast<FabricBuffer&>().payload();
   PayloadBuilder b;
   Packer p(b.buffer());
   pack_into(p, b, obj, pickler, 0);
@@ -352,19 +401,7 @@ py::object unpack(const Payload& bytes, py::handle unpickler) {
   // becomes a view of the received bytes. They must be one range for that;
   // a message in several slices is joined once (a memfd body never is).
   Payload src = bytes.contiguous().size() == bytes.size() ? bytes : bytes.owned_copy();
-  std::span<const std::uint8_t> b = src.contiguous();
-  std::string problem = detail::msgpack_shape_problem(b);
-  if (!problem.empty())
-    throw py::value_error("spindle: received bytes that are not msgpack: value: not one msgpack value (" +
-                          problem + ")");
-  msgpack::object_handle h;
-  try {
-    h = msgpack::unpack(reinterpret_cast<const char*>(b.data()), b.size(),
-                        [](msgpack::type::object_type, std::size_t, void*) { return true; });
-  } catch (const std::exception& e) {
-    throw py::value_error(std::string("spindle: received bytes that are not msgpack: ") + e.what());
-  }
-  return unpack_object(src, h.get(), unpickler, 0);
+  return unpack_in(src, src.contiguous(), unpickler, 0);
 }
 
 py::bytes to_bytes(const Payload& p) {

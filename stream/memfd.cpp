@@ -149,14 +149,20 @@ PayloadBuffer::~PayloadBuffer() {
   if (addr_) ::munmap(addr_, size_);
 }
 
-Payload PayloadBuffer::seal() && {
+Payload PayloadBuffer::seal(View view) && {
   if (!fd_) throw Error("PayloadBuffer::seal(): the buffer was already sealed");
-  // F_SEAL_WRITE is refused (EBUSY) while a writable shared mapping exists.
-  if (addr_ && ::munmap(addr_, size_) < 0) throw_errno("munmap(memfd)");
-  addr_ = nullptr;
+  // F_SEAL_WRITE is refused (EBUSY) while a writable shared mapping exists;
+  // a private one does not count (only VM_SHARED mappings can write back).
+  if (addr_ && view == View::kKeepPrivate) {
+    if (::mmap(addr_, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd_.get(), 0) == MAP_FAILED)
+      throw_errno("mmap(memfd, MAP_PRIVATE | MAP_FIXED)");
+  } else if (addr_) {
+    if (::munmap(addr_, size_) < 0) throw_errno("munmap(memfd)");
+    addr_ = nullptr;
+  }
   spindle::seal(fd_.get());
   auto memfd = std::make_shared<SealedMemfd>(std::move(fd_), size_);
-  size_ = 0;
+  if (!addr_) size_ = 0;
   // The producer has written its bytes; it rarely reads them back.
   return memfd->map(false);
 }

@@ -82,9 +82,17 @@ class PayloadBuffer {
 
   std::span<std::uint8_t> bytes() { return {addr_, size_}; }
   std::size_t size() const { return size_; }
-  // Unmaps the writable view, seals the memfd and returns it as a Payload
-  // (a read-only view). The buffer is empty afterwards.
-  Payload seal() &&;
+
+  // What seal() does with the writable view.
+  enum class View {
+    kUnmap,        // it is gone, and the buffer is empty afterwards
+    kKeepPrivate,  // it stays, at the same address, as a private
+                   // copy-on-write mapping of the sealed bytes: pointers
+                   // into it (a Python memoryview) stay valid, and later
+                   // writes stay in this process, never in the message
+  };
+  // Seals the memfd and returns it as a Payload (a read-only view).
+  Payload seal(View view = View::kUnmap) &&;
 
  private:
   UniqueFd fd_;

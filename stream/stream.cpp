@@ -310,6 +310,10 @@ void Stream::arm_stall_timer() {
     if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed || !self->stalled())
       return;
     if (self->stats_.bytes_out != self->stall_mark_) return self->arm_stall_timer();
+    // Paused with nothing queued for the peer: what it is charged for is held
+    // on this side (a received body the application keeps), which only a
+    // release here can end. The peer is not failing to read; it stays paused.
+    if (self->paused_ && self->port_->gauge.queued() == 0) return self->arm_stall_timer();
     if (self->paused_)
       return self->close(fmt::format("the peer stayed over its memory limit ({} bytes held, limit {}) "
                                      "for {} ms without reading",

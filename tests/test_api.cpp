@@ -362,4 +362,52 @@ TEST(ApiCodec, AHostileContainerSizeIsRefusedBeforeAnythingIsAllocated) {
             "");
 }
 
+// A body this process holds (a large result kept as a Payload) is charged to
+// the child's link, which stops reading from the child until it is released.
+// The child is not at fault: past the stall timeout it is still connected,
+// and its next reply arrives once the body goes. Before, it was dropped
+// ("stayed over its memory limit ... without reading") after 10 s.
+TEST(ApiMemory, AChildIsNotDroppedWhileThisProcessHoldsItsLargeResult) {
+  static constexpr spindle::method<std::vector<std::uint8_t>(long)> blob{"blob"};
+  spindle::RouterOptions o;
+  o.peer_memory_limit = 4u << 20;
+  o.stall_timeout = 200ms;
+  spindle::Runtime rt(o);
+  spindle::Child c = rt.fork_child(
+      [](spindle::ChildEnv& env) {
+        env.expose(blob, [](long n) { return std::vector<std::uint8_t>(static_cast<std::size_t>(n), 7); });
+        env.expose(square, [](long n) { return n * n; });
+        return env.serve();
+      },
+      {.name = "holder"});
+  spindle::Payload held = c.call_named("blob", spindle::detail::encode_args<long>(8L << 20));
+  ASSERT_GT(held.size(), 8u << 20);
+  std::future<long> next = c.async_call(square, 9L, asio::use_future);
+  // Five stall timeouts: the reply waits in the paused link, and nothing
+  // drops the child (which would fail the call at once).
+  EXPECT_EQ(next.wait_for(1s), std::future_status::timeout) << "the child's link was not paused";
+  held = spindle::Payload();
+  EXPECT_EQ(next.get(), 81);
+}
+
+// A padded value (ext 83, a Python spindle.Buffer sent as a whole message)
+// decodes as the value after its pad; a pad running past the end is refused.
+TEST(ApiCodec, APaddedValueDecodesAsTheValueAfterItsPad) {
+  // ext 8, length 7, type 83: pad_len 3, three pad bytes, then bin 8 "xy".
+  const std::string padded("\xc7\x09\x53\x00\x03\x00\x00\x00\xc4\x02xy", 12);
+  auto bytes = spindle::detail::decode_value<std::vector<std::uint8_t>>(spindle::Payload::copy_of(padded));
+  EXPECT_EQ(bytes, (std::vector<std::uint8_t>{'x', 'y'}));
+  // The same with a pad that claims 9 bytes: a DecodeError, reported as the
+  // result's CallError (kDecodeErrorType), never a read past the end.
+  std::string bad = padded;
+  bad[4] = '\x09';
+  EXPECT_THROW(spindle::detail::decode_value<std::vector<std::uint8_t>>(spindle::Payload::copy_of(bad)),
+               spindle::CallError);
+  // Another ext type is left alone (here: refused as the wrong type).
+  std::string other = padded;
+  other[2] = '\x54';
+  EXPECT_THROW(spindle::detail::decode_value<std::vector<std::uint8_t>>(spindle::Payload::copy_of(other)),
+               spindle::CallError);
+}
+
 }  // namespace test_api

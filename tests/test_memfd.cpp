@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -57,6 +58,25 @@ TEST(Memfd, PayloadBufferIsSealedNamelessAndReadOnly) {
   EXPECT_EQ(w, MAP_FAILED);
   EXPECT_NE(::ftruncate(fd, 1), 0);
   EXPECT_EQ(dev_shm_entries(), shm_before) << "a memfd has no name in /dev/shm";
+}
+
+// Sealing with View::kKeepPrivate (the Python spindle.Buffer's): the
+// producer's view stays mapped at the same address, and what it writes after
+// sealing is its own copy, never the sealed message's bytes.
+TEST(Memfd, SealingCanKeepThePrivateViewOfTheProducer) {
+  const std::size_t n = 1u << 20;
+  PayloadBuffer buf(n);
+  std::uint8_t* view = buf.bytes().data();
+  std::memset(view, 'a', n);
+  Payload p = std::move(buf).seal(PayloadBuffer::View::kKeepPrivate);
+  ASSERT_TRUE(p.memfd());
+  EXPECT_EQ(::fcntl(p.memfd()->fd(), F_GET_SEALS) & kRequiredSeals, kRequiredSeals);
+  EXPECT_EQ(buf.bytes().data(), view) << "the view stays where it was";
+  EXPECT_EQ(view[n - 1], 'a') << "and shows the sealed bytes";
+  std::memset(view, 'b', n);  // a write after sealing: a private copy of the pages
+  EXPECT_EQ(p.contiguous()[0], 'a');
+  EXPECT_EQ(p.contiguous()[n - 1], 'a') << "the message keeps what was sealed";
+  EXPECT_EQ(view[0], 'b');
 }
 
 TEST(Memfd, ReceiverRefusesUnsealedWritableOrForeignBodies) {
