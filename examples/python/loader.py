@@ -18,6 +18,7 @@ and its children are as they were before.
 """
 
 import collections
+import concurrent.futures
 import os
 import signal
 import sys
@@ -62,8 +63,16 @@ def load(router):
     submitted = 0
     replaced = []
 
+    def start(w, index):
+        try:
+            return workers[w].call_async(make_batch, index)
+        except spindle.ChannelError as e:  # already known dead: fail like a pending call
+            future = concurrent.futures.Future()
+            future.set_exception(e)
+            return future
+
     def submit(index, w):
-        pending.append((index, w, workers[w].call_async(make_batch, index)))
+        pending.append((index, w, start(w, index)))
 
     for index in range(BATCHES):
         while submitted < BATCHES and submitted < index + 2 * WORKERS:  # prefetch
@@ -80,8 +89,8 @@ def load(router):
             workers[w] = router.fork(name=dead.name)
             replaced.append(dead.name)
             # Its batches go to the replacement, keeping their places in the order.
-            pending = collections.deque((j, v, workers[v].call_async(make_batch, j)) if v == w
-                                        else (j, v, f) for j, v, f in pending)
+            pending = collections.deque((j, v, start(v, j)) if v == w else (j, v, f)
+                                        for j, v, f in pending)
             reply = workers[w].call(make_batch, i)
         batch = np.frombuffer(reply, dtype=np.float32).reshape(SHAPE)  # the mapping: no copy
         check(batch, i)
