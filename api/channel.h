@@ -10,7 +10,8 @@
 // What waits in a Receiver stays charged to the peer that sent it (its
 // bytes sit in that peer's receive chunks, PROTOCOL.md section 14), so a
 // receiver that does not keep up slows its senders instead of growing.
-// A Sender is encoded as [context id, handle]; decoded inside an exposed
+// A Sender is encoded as ext 84 around [context id, handle] (a Python peer's
+// spindle.Sender is the same); decoded inside an exposed
 // function's arguments or a call's result, it sends through the runtime
 // that decoded it.
 //
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include <spindle/codec.h>
@@ -95,20 +97,38 @@ class Receiver {
   std::unique_ptr<detail::ReceiverCore> core_;
 };
 
-// A Sender travels as [context id, handle].
+// A Sender travels as ext type kSenderExtType around [context id, handle]
+// (a Python peer makes it a spindle.Sender); the bare array, its form
+// before, is still read.
 template <class T>
 struct codec<Sender<T>> {
   static void encode(Packer& p, const Sender<T>& s) {
-    p.pack_array(2);
-    p.pack(s.context().id());
-    p.pack(s.handle());
+    msgpack::sbuffer body;
+    Packer bp(body);
+    bp.pack_array(2);
+    bp.pack(s.context().id());
+    bp.pack(s.handle());
+    p.pack_ext(body.size(), kSenderExtType);
+    p.pack_ext_body(body.data(), body.size());
   }
   static Sender<T> decode(const msgpack::object& o) {
     Router* r = detail::DecodingScope::current();
     if (!r) throw DecodeError("a Sender decodes only inside a Spindle call or receive");
+    if (o.type == msgpack::type::EXT && o.via.ext.type() == kSenderExtType) {
+      std::string problem = detail::msgpack_shape_problem(
+          {reinterpret_cast<const std::uint8_t*>(o.via.ext.data()), o.via.ext.size});
+      if (!problem.empty()) throw DecodeError("a Sender: not one msgpack value (" + problem + ")");
+      msgpack::object_handle h = msgpack::unpack(o.via.ext.data(), o.via.ext.size);
+      return decode_pair(*r, h.get());
+    }
+    return decode_pair(*r, o);
+  }
+
+ private:
+  static Sender<T> decode_pair(Router& r, const msgpack::object& o) {
     if (o.type != msgpack::type::ARRAY || o.via.array.size != 2)
       throw DecodeError("a Sender is [context id, handle]");
-    return Sender<T>(Context(*r, o.via.array.ptr[0].as<std::uint32_t>(), "sender"),
+    return Sender<T>(Context(r, o.via.array.ptr[0].as<std::uint32_t>(), "sender"),
                      o.via.array.ptr[1].as<std::uint32_t>());
   }
 };

@@ -63,6 +63,9 @@ struct codec {
 
 // The msgpack ext type of an fd argument: its index in the message's fd set.
 inline constexpr std::int8_t kFdExtType = 70;  // 'F'
+// A Sender (channel.h): ext type 84 whose body is the msgpack array
+// [context id, handle], so that a Python peer knows it from a plain pair.
+inline constexpr std::int8_t kSenderExtType = 84;
 // A padded value: ext type 83 whose body is pad_len:u16 (big-endian), that
 // many bytes to skip, then one msgpack value, which is what it decodes as.
 // A Python spindle.Buffer is sent as one so that its data start on a page of

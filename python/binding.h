@@ -52,6 +52,8 @@ inline constexpr std::size_t kOutOfBandMin = std::size_t{1} << 20;
 
 // msgpack ext type of a padded value (api/codec.h): a spindle.Buffer's form.
 using spindle::kPaddedExtType;
+// A spindle.Sender: ext 84 around [context id, handle] (api/codec.h).
+using spindle::kSenderExtType;
 
 // The bytes of a numpy array's ext 81 form that come before its data: the
 // ext header, the header length and the header ([dtype, [shape...]]).

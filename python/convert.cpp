@@ -114,6 +114,27 @@ bool pack_fabric_buffer(PayloadBuilder& b, py::handle obj) {
   return true;
 }
 
+// A spindle.Sender as ext 84 around [context id, handle] (api/codec.h),
+// which a C++ peer decodes as a spindle::Sender<T>. Its class is looked up
+// where the package put it; before that module is imported, no Sender exists.
+bool pack_sender(Packer& p, py::handle obj) {
+  PyObject* mod = PyImport_GetModule(py::str("spindle._messages").ptr());
+  if (!mod) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return false;
+  }
+  py::object messages = py::reinterpret_steal<py::object>(mod);
+  if (!py::isinstance(obj, messages.attr("Sender"))) return false;
+  msgpack::sbuffer body;
+  Packer bp(body);
+  bp.pack_array(2);
+  bp.pack_uint32(obj.attr("context_id").cast<std::uint32_t>());
+  bp.pack_uint32(obj.attr("handle").cast<std::uint32_t>());
+  p.pack_ext(body.size(), kSenderExtType);
+  p.pack_ext_body(body.data(), body.size());
+  return true;
+}
+
 // A numpy array of at least kOutOfBandMin bytes (and no Python objects in
 // it) as ext type 81: its dtype and shape, then its bytes out of band. Not
 // for smaller ones, which keep their old form (pickle, ext 80), nor when
@@ -228,6 +249,7 @@ void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler,
     return;
   }
   if (pack_fabric_buffer(b, obj)) return;
+  if (pack_sender(p, obj)) return;
   if (pack_ndarray(b, obj)) return;  // before __index__, which ndarray has
   if (PyIndex_Check(o)) {
     // An integer of another type (numpy.int64, ...): as the int it stands
@@ -324,6 +346,21 @@ py::object unpack_padded(const Payload& src, const msgpack::object_ext& ext, py:
   return unpack_in(src, {body + 2 + pad, ext.size - 2 - pad}, unpickler, depth + 1);
 }
 
+// An ext 84 body: a spindle.Sender bound to the router unpacking it.
+py::object unpack_sender(const msgpack::object_ext& ext) {
+  const auto* body = reinterpret_cast<const std::uint8_t*>(ext.data());
+  auto bad = [] { return py::value_error("spindle: received a malformed Sender (ext type 84)"); };
+  if (!detail::msgpack_shape_problem({body, ext.size}).empty()) throw bad();
+  msgpack::object_handle h = msgpack::unpack(ext.data(), ext.size);
+  const msgpack::object& o = h.get();
+  if (o.type != msgpack::type::ARRAY || o.via.array.size != 2) throw bad();
+  for (std::uint32_t i = 0; i < 2; ++i)
+    if (o.via.array.ptr[i].type != msgpack::type::POSITIVE_INTEGER || o.via.array.ptr[i].via.u64 > UINT32_MAX)
+      throw bad();
+  return py::module_::import("spindle._messages")
+      .attr("_sender")(o.via.array.ptr[0].via.u64, o.via.array.ptr[1].via.u64);
+}
+
 py::object unpack_object(const Payload& src, const msgpack::object& o, py::handle unpickler, int depth) {
   if (depth > kMaxDepth) throw py::value_error("spindle: received value nested too deeply");
   switch (o.type) {
@@ -359,9 +396,10 @@ py::object unpack_object(const Payload& src, const msgpack::object& o, py::handl
       if (o.via.ext.type() == kNdarrayExtType) return unpack_ndarray(src, o.via.ext);
       if (o.via.ext.type() == kPickleOutOfBandExtType) return unpack_pickled_out_of_band(src, o.via.ext, unpickler);
       if (o.via.ext.type() == kPaddedExtType) return unpack_padded(src, o.via.ext, unpickler, depth);
+      if (o.via.ext.type() == kSenderExtType) return unpack_sender(o.via.ext);
       throw py::value_error("spindle: received msgpack ext type " +
                             std::to_string(static_cast<int>(o.via.ext.type())) +
-                            ", which Python does not take (fds arrive in part 2)");
+                            ", which Python does not take");
   }
   throw py::value_error("spindle: received a msgpack value of unknown type");
 }

@@ -71,6 +71,14 @@ def greet(name):
     return f"hello {name}"
 
 
+@spindle.expose("py_count_to")
+def py_count_to(sender, n):
+    """Sends 1..n through a Sender (a C++ spindle::Sender<long> from py_peer)."""
+    assert isinstance(sender, spindle.Sender), type(sender)
+    for i in range(1, n + 1):
+        sender.send(i)
+
+
 @spindle.expose("py_fail")
 def py_fail(text):
     raise KeyError(text)

@@ -39,6 +39,16 @@ def test_python_parent_calls_cpp_child(router):
     assert c.stop() == 0
 
 
+def test_a_python_sender_reaches_a_cpp_child(router):
+    # ext 84 both ways: a C++ child's spindle::Sender<long> parameter takes a
+    # Python Sender (test_cpp_parent_calls_python_child does the reverse).
+    c = router.spawn(argv=[helper("py_peer"), "serve"], name="cpp")
+    with router.receiver() as rx:
+        c.call("count_to", rx.sender, 4)
+        assert [rx.get(timeout=30).data for _ in range(4)] == [1, 2, 3, 4]
+    assert c.stop() == 0
+
+
 def test_python_parent_calls_spawned_typed(router):
     c = router.spawn(argv=[helper("spawned_typed")])
     assert c.call("echo", "hi there") == "hi there"

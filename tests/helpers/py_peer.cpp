@@ -6,10 +6,12 @@
 //                            geo.mirror(Point) -> Point   (a struct: a map)
 //                            fail(string)                 throws std::invalid_argument
 //                            blob.reversed(bytes) -> bytes (large: out of band in Python)
+//                            count_to(Sender<long>, long) sends 1..n through a Python Sender
 //   py_peer call-python PYTHON
 //                          a C++ parent of `PYTHON -m spindle.child --import pyfuncs`:
 //                          calls its Python functions by name, prints "ok" and
 //                          exits 0, or says what differed and exits 1.
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -31,6 +33,7 @@ inline constexpr spindle::method<long(long)> square{"square"};
 inline constexpr spindle::method<Point(Point)> mirror{"geo.mirror"};
 inline constexpr spindle::method<void(std::string)> fail{"fail"};
 inline constexpr spindle::method<std::vector<char>(std::vector<char>)> reversed{"blob.reversed"};
+inline constexpr spindle::method<void(spindle::Sender<long>, long)> count_to{"count_to"};
 
 int serve() {
   return spindle::run_spawned_child([](spindle::ChildEnv& env) {
@@ -38,6 +41,9 @@ int serve() {
     env.expose(mirror, [](Point p) { return Point{p.y, p.x}; });
     env.expose(fail, [](std::string why) { throw std::invalid_argument(why); });
     env.expose(reversed, [](std::vector<char> b) { return std::vector<char>(b.rbegin(), b.rend()); });
+    env.expose(count_to, [](spindle::Sender<long> to, long n) {
+      for (long i = 1; i <= n; ++i) to.send(i);
+    });
     return env.serve();
   });
 }
@@ -76,6 +82,15 @@ int call_python(const std::string& python) {
   } catch (const spindle::CallError& e) {
     bad += check(e.type() == "TypeError",
                  std::string("py_square(\"seven\"): ") + e.what());
+  }
+  // A C++ Receiver's Sender as an argument: the Python function sends
+  // through it (a spindle.Sender there).
+  spindle::Receiver<long> rx(rt);
+  child.call<void>("py_count_to", rx.sender(), 3L);
+  for (long i = 1; i <= 3; ++i) {
+    auto v = rx.receive_for(std::chrono::seconds(30));
+    bad += check(v && *v == i, "py_count_to: value " + std::to_string(i) + " = " +
+                                   (v ? std::to_string(*v) : std::string("nothing in 30 s")));
   }
   int status = child.stop();
   bad += check(status == 0, "the Python child exited with status " + std::to_string(status));
