@@ -1,0 +1,93 @@
+"""kill -9 of either side mid-transfer leaves nothing behind.
+
+Large payloads travel in memfds, which have no name in /dev/shm and go
+away with the last fd or mapping: unlike multiprocessing.shared_memory, a
+killed process cannot leak one. These tests kill a child and a parent in
+the middle of 64 MiB transfers and check /dev/shm, the parent's fds and
+the processes themselves.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy
+import pytest
+
+import spindle
+import pyfuncs
+
+MIB = 1 << 20
+
+
+def shm_entries():
+    return sorted(os.listdir("/dev/shm"))
+
+
+def fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_until(predicate, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_a_child_killed_mid_transfer_leaves_nothing(router):
+    before_shm, before_fds = shm_entries(), fd_count()
+    child = router.fork(name="victim")
+    big = numpy.ones(64 * MIB, dtype=numpy.uint8)
+    futures = [child.with_timeout(60).call_async(pyfuncs.describe_buffer, big) for _ in range(4)]
+    futures.append(child.with_timeout(60).call_async(pyfuncs.make_array, 64 * MIB))
+    os.kill(child.pid, signal.SIGKILL)
+    for f in futures:
+        try:
+            f.result(timeout=30)  # some may have finished before the kill
+        except spindle.ChannelError as e:
+            assert "victim" in str(e) or "disconnected" in str(e), e
+    assert os.WTERMSIG(child.stop()) == signal.SIGKILL
+    # The Child holds the child's pidfd for as long as it lives (its handle
+    # on the process, as Popen's): let it go before counting fds.
+    del futures, f, child
+    assert shm_entries() == before_shm
+    assert wait_until(lambda: fd_count() <= before_fds, 10), (fd_count(), before_fds)
+
+
+PARENT = textwrap.dedent("""
+    import sys, numpy, spindle, pyfuncs
+    router = spindle.Router()
+    child = router.fork(name="orphan")
+    print(child.pid, flush=True)
+    big = numpy.ones(64 << 20, dtype=numpy.uint8)
+    futures = [child.with_timeout(60).call_async(pyfuncs.describe_buffer, big) for _ in range(8)]
+    print("sending", flush=True)
+    sys.stdin.read()  # killed here
+""")
+
+
+def test_a_parent_killed_mid_transfer_leaves_nothing():
+    before_shm = shm_entries()
+    env = dict(os.environ)
+    proc = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        child_pid = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "sending"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        # The child loses its parent (EOF on its link) and exits by itself.
+        assert wait_until(lambda: not os.path.exists(f"/proc/{child_pid}")
+                          or open(f"/proc/{child_pid}/stat").read().split()[2] == "Z", 30), \
+            "the orphaned child is still running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert shm_entries() == before_shm
