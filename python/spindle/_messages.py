@@ -221,7 +221,26 @@ def _sender(context_id, handle):
     return Sender(context_id, handle, getattr(_current, "port", None))
 
 
-class Receiver:
+class _Waiting:
+    """What Receiver and Select share: iteration until closed, and `with`."""
+
+    def __iter__(self):
+        while True:
+            try:
+                yield self.get()
+            except ChannelError:
+                if self._closed:
+                    return
+                raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Receiver(_Waiting):
     """Messages sent to a fresh handle of this router (router.receiver(), env.receiver()).
 
     get(timeout=None) returns the next Message; `for msg in rx` iterates
@@ -264,15 +283,6 @@ class Receiver:
             raise TimeoutError(f"spindle: no message on handle {self.handle} within {timeout} s")
         return _message(item, self)
 
-    def __iter__(self):
-        while True:
-            try:
-                yield self.get()
-            except ChannelError:
-                if self._closed:
-                    return
-                raise
-
     def close(self):
         """Gives the handle back (idempotent); queued and later messages get a dead reply."""
         if self._closed:
@@ -284,17 +294,11 @@ class Receiver:
         self._closed = True
         self._core.abandon()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __repr__(self):
         return f"<spindle.Receiver context {self.context_id} handle {self.handle}>"
 
 
-class Select:
+class Select(_Waiting):
     """Waits on several receivers: get() returns the next Message from any of them.
 
         with spindle.Select([rx1, rx2]) as sel:
@@ -346,15 +350,6 @@ class Select:
             raise ChannelError(f"spindle: a message for a receiver closed since (handle {item[1]})")
         return _message(item, receiver)
 
-    def __iter__(self):
-        while True:
-            try:
-                yield self.get()
-            except ChannelError:
-                if self._closed:
-                    return
-                raise
-
     def close(self):
         """Closes its receivers and wakes its waiters. Idempotent."""
         if self._closed:
@@ -368,8 +363,3 @@ class Select:
         self._closed = True
         self._core.abandon()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
