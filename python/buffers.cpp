@@ -36,6 +36,26 @@ struct PayloadView {
   std::size_t size;
 };
 
+// The received message behind a buffer exporter: a _PayloadView, or a
+// memoryview or numpy array (through .base) over one; null if none.
+const PayloadView* received_behind(py::handle obj) {
+  for (int depth = 0; depth < 8 && obj && !obj.is_none(); ++depth) {
+    if (py::isinstance<PayloadView>(obj)) return &obj.cast<const PayloadView&>();
+    if (PyMemoryView_Check(obj.ptr())) {
+      obj = PyMemoryView_GET_BUFFER(obj.ptr())->obj;
+    } else {
+      PyObject* base = PyObject_GetAttrString(obj.ptr(), "base");  // numpy's
+      if (!base) {
+        PyErr_Clear();
+        return nullptr;
+      }
+      Py_DECREF(base);  // still referenced by obj, which we hold
+      obj = base;
+    }
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 void PayloadBuilder::cut() {
@@ -47,6 +67,17 @@ void PayloadBuilder::cut() {
 
 void PayloadBuilder::attach(py::handle keep, const void* data, std::size_t size) {
   cut();
+  // A received view sent on (a function returning its argument) is held by
+  // the message's own Payload, not by a Python reference: that reference
+  // would be dropped on the broker thread through Py_AddPendingCall, which
+  // runs only when this process's main thread next runs Python; meanwhile the
+  // received body stays charged to the link it came on, which stops reading
+  // that link, which the next call needs: a deadlock above 64 MiB.
+  const auto* bytes = static_cast<const std::uint8_t*>(data);
+  if (const PayloadView* v = received_behind(keep); v && bytes >= v->data && bytes + size <= v->data + v->size) {
+    out_.append(Slice{std::make_shared<Payload>(v->keep), bytes, size});
+    return;
+  }
   auto owner = std::shared_ptr<ExportedBuffer>(new ExportedBuffer{PyRef(keep)});
   out_.append(Slice{owner, static_cast<const std::uint8_t*>(data), size});
 }

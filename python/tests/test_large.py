@@ -142,3 +142,15 @@ def test_a_received_view_keeps_its_mapping_alive(child):
     child.call(pyfuncs.make_bytes, 4 * MIB)  # other messages come and go
     assert bytes(view[:256]) == bytes(range(256))
     del view
+
+
+def test_a_child_returning_its_received_argument_does_not_hold_it(child):
+    # 96 MiB received and returned as they are: the reply carries the child's
+    # view of the received memfd. Before, that view was released only when the
+    # child next ran Python, so the body stayed charged to the parent's link,
+    # the child stopped reading from the parent, and the next call never came.
+    arr = numpy.arange(12 * MIB, dtype=numpy.int64)  # 96 MiB
+    back = child.with_timeout(60).call(pyfuncs.echo, arr)
+    assert back.shape == arr.shape and int(back[-1]) == 12 * MIB - 1
+    del back
+    assert child.with_timeout(20).call(pyfuncs.square, 9) == 81
