@@ -42,13 +42,9 @@ def fill(out, index):
 
 def make_batch(index):
     """Runs in a worker: fills a batch in place and returns it without a copy."""
-    if hasattr(spindle, "Buffer"):
-        buf = spindle.Buffer(SHAPE[0] * SHAPE[1] * 4)  # a writable memfd
-        fill(np.frombuffer(buf, dtype=np.float32).reshape(SHAPE), index)
-        return buf  # sent as the sealed memfd itself: zero copies
-    batch = np.empty(SHAPE, dtype=np.float32)  # without spindle.Buffer: one copy, into a memfd
-    fill(batch, index)
-    return batch
+    buf = spindle.Buffer(shape=SHAPE, dtype=np.float32)  # over a fresh memfd
+    fill(buf.array, index)
+    return buf  # the sealed memfd is the reply itself: zero copies
 
 
 def check(batch, index):
@@ -92,9 +88,8 @@ def load(router):
             pending = collections.deque((j, v, start(v, j)) if v == w else (j, v, f)
                                         for j, v, f in pending)
             reply = workers[w].call(make_batch, i)
-        batch = np.frombuffer(reply, dtype=np.float32).reshape(SHAPE)  # the mapping: no copy
-        check(batch, i)
-        del batch, reply  # unmaps it (the memfd goes with the last mapping)
+        check(reply, i)  # a read-only array over the worker's memfd: no copy
+        del reply  # unmaps it (the memfd goes with the last mapping)
         if i == KILL_AT:
             victim = workers[3]
             print(f"loader: kill -9 {victim.name} (pid {victim.pid})")
@@ -113,7 +108,7 @@ def main():
         replaced = load(router)
     elapsed = time.monotonic() - t
     print(f"loader: {BATCHES} batches of {np.prod(SHAPE) * 4 >> 20} MiB in order from {WORKERS} "
-          f"workers in {elapsed:.2f} s ({'spindle.Buffer' if hasattr(spindle, 'Buffer') else 'ndarray'})")
+          f"workers in {elapsed:.2f} s")
 
     if replaced != ["worker-3"]:
         sys.exit(f"loader: expected worker-3 to be replaced once, got {replaced}")
