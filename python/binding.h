@@ -89,6 +89,11 @@ class FabricBuffer {
   std::optional<Payload> sealed_;
 };
 
+// How deeply values may nest, packed or unpacked: enough for any sane
+// argument; deeper is a reference cycle or an attack, and the recursion
+// must stay within the C stack.
+inline constexpr int kMaxDepth = 512;
+
 // A Payload as a Python object (_spindle.Payload): what pack() returns and
 // the calls take and give, so a large value is never turned into bytes.
 struct PyPayload {
