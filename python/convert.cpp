@@ -99,6 +99,14 @@ bool pack_large_buffer(Packer& p, PayloadBuilder& b, py::handle obj) {
   return true;
 }
 
+// A module if something imported it already, else a null object: a value
+// of a class it defines cannot exist before, and packing never imports.
+py::object imported(const char* name) {
+  PyObject* mod = PyImport_GetModule(py::str(name).ptr());
+  if (!mod && PyErr_Occurred()) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(mod);
+}
+
 // spindle.Buffer inside a larger value: its inner value, whose data are a
 // slice of its sealed memfd (copied once more into the message's memfd).
 bool pack_fabric_buffer(PayloadBuilder& b, py::handle obj) {
@@ -114,13 +122,8 @@ bool pack_fabric_buffer(PayloadBuilder& b, py::handle obj) {
 // which a C++ peer decodes as a spindle::Sender<T>. Its class is looked up
 // where the package put it; before that module is imported, no Sender exists.
 bool pack_sender(Packer& p, py::handle obj) {
-  PyObject* mod = PyImport_GetModule(py::str("spindle._messages").ptr());
-  if (!mod) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    return false;
-  }
-  py::object messages = py::reinterpret_steal<py::object>(mod);
-  if (!py::isinstance(obj, messages.attr("Sender"))) return false;
+  py::object messages = imported("spindle._messages");
+  if (!messages || !py::isinstance(obj, messages.attr("Sender"))) return false;
   msgpack::sbuffer body;
   Packer bp(body);
   bp.pack_array(2);
@@ -136,13 +139,8 @@ bool pack_sender(Packer& p, py::handle obj) {
 // for smaller ones, which keep their old form (pickle, ext 80), nor when
 // numpy was never imported (then there is no array).
 bool pack_ndarray(PayloadBuilder& b, py::handle obj) {
-  PyObject* numpy = PyImport_GetModule(py::str("numpy").ptr());
-  if (!numpy) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    return false;
-  }
-  py::object np = py::reinterpret_steal<py::object>(numpy);
-  if (!py::isinstance(obj, np.attr("ndarray"))) return false;
+  py::object np = imported("numpy");
+  if (!np || !py::isinstance(obj, np.attr("ndarray"))) return false;
   if (obj.attr("nbytes").cast<std::size_t>() < kOutOfBandMin || obj.attr("dtype").attr("hasobject").cast<bool>())
     return false;
   py::object arr = np.attr("ascontiguousarray")(obj);  // itself when it already is

@@ -96,15 +96,21 @@ def exit_main(env):
     sys.exit(7)
 
 
-def memfd_mapping_of(address):
-    """The path of the mapping of this process that holds `address` ("" if none)."""
+def mapping_of(address):
+    """The mapping of this process that holds `address`: its dev, inode and path (None if none)."""
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
             start, end = (int(x, 16) for x in fields[0].split("-"))
             if start <= address < end:
-                return fields[5].strip() if len(fields) > 5 else ""
-    return ""
+                return {"dev": fields[3], "inode": fields[4], "path": fields[5].strip() if len(fields) > 5 else ""}
+    return None
+
+
+def memfd_mapping_of(address):
+    """The path of the mapping of this process that holds `address` ("" if none)."""
+    m = mapping_of(address)
+    return m["path"] if m else ""
 
 
 def address_of(buf):

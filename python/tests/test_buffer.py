@@ -41,17 +41,7 @@ def send_buffer(sender, nbytes, seed):
 
 def kept_mapping():
     """The /proc/self/maps line of the child's last Buffer (dev and inode)."""
-    return mapping_line(pyfuncs.address_of(_kept))
-
-
-def mapping_line(address):
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if start <= address < end:
-                return {"dev": fields[3], "inode": fields[4], "path": fields[5].strip() if len(fields) > 5 else ""}
-    return None
+    return pyfuncs.mapping_of(pyfuncs.address_of(_kept))
 
 
 def crc_of(buf):
@@ -133,7 +123,7 @@ def test_a_returned_buffer_is_the_reply_itself(child):
     view = child.with_timeout(60).call(make_buffer, nbytes, 0x5a)
     assert isinstance(view, memoryview) and view.readonly and view.nbytes == nbytes
     assert numpy.array_equal(numpy.frombuffer(view, dtype=numpy.uint8), expected(nbytes, 0x5a))
-    mine = mapping_line(pyfuncs.address_of(view))
+    mine = pyfuncs.mapping_of(pyfuncs.address_of(view))
     # 64 MiB held here pause the link from the child (its memory limit): let
     # the view go before the next call, or its reply waits for the release.
     del view
@@ -164,7 +154,7 @@ def test_a_sent_buffer_is_the_message_itself(router, child):
         view = msg.data
         assert isinstance(view, memoryview) and view.readonly and view.nbytes == nbytes
         assert numpy.array_equal(numpy.frombuffer(view, dtype=numpy.uint8), expected(nbytes, 0x33))
-        mine = mapping_line(pyfuncs.address_of(view))
+        mine = pyfuncs.mapping_of(pyfuncs.address_of(view))
         del view, msg
     theirs = child.call(kept_mapping)
     assert (mine["dev"], mine["inode"]) == (theirs["dev"], theirs["inode"]), \
