@@ -30,6 +30,7 @@
 #include <spindle/context.h>
 #include <spindle/function.h>
 #include <spindle/options.h>
+#include <spindle/ssh.h>
 
 namespace spindle {
 
@@ -67,6 +68,10 @@ class Runtime {
   // Starts `program` (posix_spawn), which calls spindle::run_spawned_child().
   Child spawn_child(const std::string& program, const std::vector<std::string>& args = {},
                     ChildOptions opts = {});
+  // A child context on another host, through OpenSSH (<spindle/ssh.h>).
+  // Throws Error, with ssh's exit status and last stderr line, if it cannot
+  // be started. Not on the broker thread.
+  Child ssh(const std::string& host, SshOptions opts = {});
   // Another context, by id (a sibling, a router client): not owned.
   Context context(std::uint32_t id, std::string name = {}) const;
 

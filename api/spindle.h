@@ -20,4 +20,5 @@
 #include <spindle/router_services.h>
 #include <spindle/runtime.h>
 #include <spindle/slots.h>
+#include <spindle/ssh.h>
 #include <spindle/zygote.h>
