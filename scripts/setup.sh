@@ -24,6 +24,8 @@ PACKAGES=(
   python3-numpy     # the Python binding: numpy payloads (issue 14, part 2) and their tests
   python3-pytest    # the Python binding's tests run with /usr/bin/python3 -m pytest
   python3-zmq       # bench/python/bench_py.py: pyzmq REQ/REP and DEALER beside Spindle's Python calls
+  openssh-client    # Runtime::ssh() runs the real ssh; the tests make keys with ssh-keygen
+  openssh-server    # tests/test_ssh.cpp and bench_ssh start a throwaway sshd on 127.0.0.1
 )
 
 missing=()

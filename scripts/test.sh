@@ -30,6 +30,9 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 # scripts/tsan.supp holds one documented suppression (exception_ptr's
 # reference count lives in the uninstrumented libstdc++).
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:die_after_fork=0:atexit_sleep_ms=50:suppressions=$PWD/scripts/tsan.supp"
+# The ssh tests (tests/test_ssh.cpp) skip when sshd cannot start; CI must
+# run them, so here they fail instead of skipping.
+export SPINDLE_REQUIRE_SSHD=1
 
 for f in "${FLAVOURS[@]}"; do
   case "$f" in
