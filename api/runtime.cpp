@@ -16,6 +16,7 @@
 #include "broker/log.h"
 #include "router/child.h"
 #include "router/router.h"
+#include "router/ssh.h"
 
 namespace spindle {
 
@@ -97,6 +98,10 @@ Child Runtime::spawn_child(const std::string& program, const std::vector<std::st
                            ChildOptions opts) {
   auto grace = opts.grace;
   return Child(::spindle::spawn_child(impl_->router, program, args, std::move(opts)), grace);
+}
+
+Child Runtime::ssh(const std::string& host, SshOptions opts) {
+  return Child(ssh_child(impl_->router, host, opts), opts.grace);
 }
 
 Context Runtime::context(std::uint32_t id, std::string name) const {

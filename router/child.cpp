@@ -42,40 +42,6 @@ namespace {
   throw std::system_error(errno, std::generic_category(), what);
 }
 
-// The child's life once its process exists: builds its Broker and Router,
-// completes the handshake with the parent over the link, runs `main`, shuts
-// down gracefully. Returns the process's exit code.
-int run_child(int read_fd, int write_fd, RouterOptions opts, const ChildMain& main) {
-  int rc = 1;
-  {
-    Broker broker;
-    Router router(broker, opts);
-    router.hold_unknown_handles(true);  // until main has registered its handlers
-    try {
-      router.attach_parent(read_fd, write_fd);
-    } catch (const std::exception& e) {
-      log().error("child cannot start: {}", e.what());
-      // No main will declare ready(): the router must not wait out the
-      // shutdown grace for it before this process can exit.
-      router.hold_unknown_handles(false);
-      return 1;
-    }
-    set_log_sinks({std::make_shared<ForwardLogSink>(router)});
-    ChildEnv env(router, broker);
-    try {
-      rc = main(env);
-    } catch (const std::exception& e) {
-      log().error("child main threw: {}", e.what());
-      rc = 1;
-    }
-    env.ready();
-    broker.shutdown();
-    broker.join();
-    set_log_sinks({});  // the forwarding sink borrows the router
-  }
-  return rc;
-}
-
 // fork() with the broker thread parked on a gate, so it holds no lock at the
 // moment of the fork: not malloc's, not a sanitizer allocator's (GCC 12's ASan
 // does not reset its allocator locks in the child: a child hung creating its
@@ -132,6 +98,47 @@ void avoid_inherited_thread_stacks() {
 
 namespace detail {
 
+int run_child(int read_fd, int write_fd, RouterOptions opts, const ChildMain& main, bool close_when_drained) {
+  int rc = 1;
+  {
+    Broker broker;
+    Router router(broker, opts);
+    router.hold_unknown_handles(true);  // until main has registered its handlers
+    try {
+      router.attach_parent(read_fd, write_fd, close_when_drained);
+    } catch (const std::exception& e) {
+      log().error("child cannot start: {}", e.what());
+      // No main will declare ready(): the router must not wait out the
+      // shutdown grace for it before this process can exit.
+      router.hold_unknown_handles(false);
+      return 1;
+    }
+    set_log_sinks({std::make_shared<ForwardLogSink>(router)});
+    ChildEnv env(router, broker);
+    try {
+      rc = main(env);
+    } catch (const std::exception& e) {
+      log().error("child main threw: {}", e.what());
+      rc = 1;
+    }
+    env.ready();
+    broker.shutdown();
+    broker.join();
+    set_log_sinks({});  // the forwarding sink borrows the router
+  }
+  return rc;
+}
+
+void take_stdio_link(int& read_fd, int& write_fd) {
+  read_fd = ::fcntl(STDIN_FILENO, F_DUPFD_CLOEXEC, 3);
+  write_fd = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
+  if (read_fd < 0 || write_fd < 0) throw_errno("fcntl(F_DUPFD_CLOEXEC)");
+  int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (devnull < 0) throw_errno("open /dev/null");
+  if (::dup2(devnull, STDIN_FILENO) < 0 || ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) throw_errno("dup2");
+  ::close(devnull);
+}
+
 void close_other_fds(int keep) {
   int rc = 0;
   if (keep > 3) rc = ::close_range(3, static_cast<unsigned>(keep - 1), 0);
@@ -145,7 +152,7 @@ void close_other_fds(int keep) {
 }
 
 Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
-                    const std::string& name, pid_t pid) {
+                    const std::string& name, pid_t pid, std::function<void(Stream&)> on_adopted) {
   // Via syscall(): Debian 12's <sys/pidfd.h> lacks C linkage for C++ callers.
   int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   if (pidfd < 0) {
@@ -155,15 +162,24 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
     errno = err;
     throw_errno("pidfd_open");
   }
-  auto proc = std::make_shared<ChildProcess>(pid, pidfd);
+  return adopt_child(parent, read_fd, write_fd, id, name, std::make_shared<ChildProcess>(pid, pidfd),
+                     std::move(on_adopted));
+}
+
+Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
+                    const std::string& name, std::shared_ptr<ChildProcess> proc,
+                    std::function<void(Stream&)> on_adopted) {
+  const pid_t pid = proc->pid();
   // Wait until the child is routed: a message sent right after we return
   // could otherwise be routed by an outbox drain queued earlier, before the
   // stream exists, and get "no route".
   auto adopted = std::make_shared<std::promise<void>>();
   auto routed = adopted->get_future();
-  parent.broker().defer([&parent, read_fd, write_fd, id, name, pid, adopted] {
+  parent.broker().defer([&parent, read_fd, write_fd, id, name, pid, adopted,
+                         on_adopted = std::move(on_adopted)] {
     try {
-      parent.add_child_stream(read_fd, write_fd, id, name);
+      auto s = parent.add_child_stream(read_fd, write_fd, id, name);
+      if (s && on_adopted) on_adopted(*s);
     } catch (const std::exception& e) {
       // The child sees its link close (or its handshake time out) and exits;
       // it is still reaped (below, or by the broker's end).
@@ -221,7 +237,7 @@ void run_forked_child(int link, std::uint32_t id, RouterOptions opts, const Chil
   reset_logging_after_fork(id, opts.name);
   int rc = 1;
   try {
-    rc = run_child(link, link, std::move(opts), main);
+    rc = detail::run_child(link, link, std::move(opts), main);
   } catch (const std::exception& e) {
     log().error("child failed: {}", e.what());
   }
@@ -413,15 +429,7 @@ int run_spawned_child(ChildMain main, RouterOptions opts) {
   if (const char* n = std::getenv("SPINDLE_CONTEXT_NAME")) opts.name = n;
   int read_fd, write_fd;
   if (std::strcmp(fdspec, "stdio") == 0) {
-    // Keep the link on fresh CLOEXEC fds; point stdin at /dev/null and stdout
-    // at stderr so a stray printf cannot corrupt the frame stream.
-    read_fd = ::fcntl(STDIN_FILENO, F_DUPFD_CLOEXEC, 3);
-    write_fd = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
-    if (read_fd < 0 || write_fd < 0) throw_errno("fcntl(F_DUPFD_CLOEXEC)");
-    int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (devnull < 0) throw_errno("open /dev/null");
-    if (::dup2(devnull, STDIN_FILENO) < 0 || ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) throw_errno("dup2");
-    ::close(devnull);
+    detail::take_stdio_link(read_fd, write_fd);
   } else {
     char* end = nullptr;
     long fd = std::strtol(fdspec, &end, 10);
@@ -432,7 +440,7 @@ int run_spawned_child(ChildMain main, RouterOptions opts) {
     read_fd = write_fd = static_cast<int>(fd);
     if (::fcntl(read_fd, F_SETFD, FD_CLOEXEC) < 0) throw_errno("fcntl(FD_CLOEXEC) on SPINDLE_FD");
   }
-  return run_child(read_fd, write_fd, opts, main);
+  return detail::run_child(read_fd, write_fd, opts, main);
 }
 
 }  // namespace spindle

@@ -32,13 +32,15 @@ StreamOptions Router::stream_options(const std::string& name) const {
   return so;
 }
 
-void Router::attach_parent(int read_fd, int write_fd) {
+void Router::attach_parent(int read_fd, int write_fd, bool close_when_drained) {
   if (broker_.on_broker_thread()) throw Error("attach_parent() would block the broker thread");
   auto ready = parent_ready_.get_future();
-  broker_.defer([this, read_fd, write_fd] {
+  broker_.defer([this, read_fd, write_fd, close_when_drained] {
     std::shared_ptr<Stream> s;
     try {
-      s = Stream::create(broker_, read_fd, write_fd, stream_options("parent"),
+      StreamOptions so = stream_options("parent");
+      so.close_when_drained = close_when_drained;
+      s = Stream::create(broker_, read_fd, write_fd, so,
                          std::make_unique<ClientHandshake>(static_cast<std::uint32_t>(::getpid())),
                          this);
     } catch (const std::exception& e) {  // an unusable fd: say so, don't hang the caller
@@ -220,10 +222,15 @@ void Router::announce(std::uint32_t handle, const std::string& payload, Link* sk
   }
 }
 
-void Router::on_stream_closed(Stream& s, const std::string& why, Unsent unsent) {
+void Router::set_close_explainer(Stream& s, std::function<std::string(const std::string&)> explain) {
+  if (Link* l = link_of(s)) l->explain_close = std::move(explain);
+}
+
+void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsent unsent) {
   auto it = links_.find(&s);
   if (it == links_.end()) return;
   std::unique_ptr<Link> link = std::move(it->second);
+  const std::string why = link->explain_close ? link->explain_close(stream_reason) : stream_reason;
   links_.erase(it);
   links_by_port_.erase(link->port_serial);
   s.set_tag(nullptr);

@@ -177,11 +177,16 @@ class Router : public StreamListener, public ShutdownParticipant {
   // --- streams ---
   // Connects this (non-root) router to its parent over the given fds and
   // blocks until the handshake completes. Throws Error on failure.
-  void attach_parent(int read_fd, int write_fd);
+  void attach_parent(int read_fd, int write_fd, bool close_when_drained = false);
   // Broker thread: adds a child stream whose context id is already known.
   // Once shutdown has begun it closes the fds instead and returns nullptr.
   std::shared_ptr<Stream> add_child_stream(int read_fd, int write_fd, std::uint32_t child_id,
                                            const std::string& name);
+  // Broker thread: when `s` closes, `explain(reason)` gives the reason its
+  // contexts' pending calls and dead replies carry (an ssh session adds
+  // ssh's exit status and last stderr line). It owns what it captures until
+  // then. Ignored for a stream that is not a link (already closed).
+  void set_close_explainer(Stream& s, std::function<std::string(const std::string&)> explain);
   // Broker thread: adopts an accepted client socket. `handshake` assigns its
   // id (a ListenerHandshake); the route is added when the handshake completes.
   // Once shutdown has begun it closes the fd instead and returns nullptr.
@@ -225,6 +230,7 @@ class Router : public StreamListener, public ShutdownParticipant {
     // with the link (an id whose link has gone can never be claimed).
     std::unordered_set<std::uint32_t> allocated;
     LogBudget log_budget;
+    std::function<std::string(const std::string&)> explain_close;  // set_close_explainer()
     std::uint64_t refusals = 0;                 // since the last summary line
     std::chrono::steady_clock::time_point refusal_logged_at{};
     // fds this peer has in flight through us (released as they are written).

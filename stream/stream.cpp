@@ -682,7 +682,8 @@ void Stream::after_write() {
   if (close_after_flush_) return close(close_reason_);
   if (state_ == StreamState::kDraining) {
     half_close();
-    if (eof_seen_) close(drain_started_here_ ? "drained" : "peer closed the connection");
+    if (eof_seen_ || (drain_started_here_ && opts_.close_when_drained))
+      close(drain_started_here_ ? "drained" : "peer closed the connection");
   }
 }
 

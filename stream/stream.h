@@ -130,6 +130,13 @@ struct StreamOptions {
   //   the maximum message size at once. A trusted link may send one body
   //   larger than its limit, as any message (Account::try_charge).
   bool untrusted = false;
+  // Once a goodbye is flushed, close without waiting for the peer's EOF. For
+  // a pipe link whose peer sees our EOF only when we exit: an agent behind
+  // ssh, whose client keeps its own copy of the stdout it relays, so our
+  // half-close never reaches the parent, and waiting for the parent's EOF
+  // (which waits for ours) would last the whole shutdown grace. A pipe has
+  // no reset to lose written bytes: what was flushed is still delivered.
+  bool close_when_drained = false;
 };
 
 struct StreamStats {
