@@ -1,18 +1,35 @@
-// spindle-ctl: asks a running spindle-router what it is doing.
+// spindle-ctl: asks a running spindle-router what it is doing, and checks
+// that a host can run remote contexts.
 //
 //   spindle-ctl [--socket ADDR] [--timeout DUR] stats [--raw]
 //   spindle-ctl [--socket ADDR] [--timeout DUR] ping [TEXT]
+//   spindle-ctl [--timeout DUR] ssh HOST [-l USER] [-p PORT] [-i FILE] [-o OPTION]...
+//               [--agent PATH] [--remote-dir DIR] [--connect-timeout DUR]
+//               [--call NAME [ARGS...]]
 //
-// It is an ordinary Spindle client: it connects, calls the router's built-in
-// services (services/builtin.h) and prints the answer. Exit codes: 0 success,
-// 1 the router could not be reached or the call failed, 2 usage error.
+// stats and ping make it an ordinary Spindle client: it connects, calls the
+// router's built-in services (services/builtin.h) and prints the answer.
+// ssh needs no router: it starts a remote context with Runtime::ssh() (the
+// real ssh client, the agent uploaded if the host lacks it), makes one call
+// (spindle.info by default) and prints the answer and how long the start
+// and the call took. It is the first thing to run against a new host, so
+// its errors are ssh's own words (Runtime::ssh carries ssh's exit status and
+// last stderr line). Exit codes: 0 success, 1 the router or host could not
+// be reached or the call failed, 2 usage error.
+#include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
+#include <spindle/runtime.h>
+#include <spindle/ssh.h>
 
 #include "broker/errors.h"
 #include "broker/log.h"
@@ -31,13 +48,26 @@ commands:
   stats [--raw]   clients, messages, bytes and queued bytes per client
                   (--raw: the router's key=value lines, for scripts)
   ping [TEXT]     a round trip through the router's service pool
+  ssh HOST [SSH OPTIONS] [--call NAME [ARGS...]]
+                  start a context on HOST over ssh (uploading the agent if
+                  needed), make one call, print its answer and the times
+                  (default call: spindle.info; --call spindle.echo TEXT)
+
+ssh options (before --call; -p2222 and --port=2222 work too):
+  -l, --user USER          -p, --port PORT          -i, --identity FILE
+  -o OPTION                passed to ssh as -o OPTION (repeatable)
+  --agent PATH             the agent binary to run there (default: $SPINDLE_AGENT,
+                           else the installed spindle-agent)
+  --remote-dir DIR         where the host caches agents (below its $HOME if
+                           relative; default .cache/spindle)
+  --connect-timeout DUR    bound on connecting, uploading and the handshake (10s)
 
 options:
   --socket ADDR   the router's address: a path or @NAME (default: {default})
-  --timeout DUR   give up after this long, e.g. 500ms, 5s (10s)
+  --timeout DUR   give up on a call after this long, e.g. 500ms, 5s (10s)
   --help, --version
 
-exit codes: 0 success, 1 router unreachable or call failed, 2 usage error
+exit codes: 0 success, 1 router or host unreachable or call failed, 2 usage error
 )";
 
 using Record = std::map<std::string, std::string>;
@@ -78,6 +108,133 @@ void print_table(const std::string& text) {
                 c["bytes_out"].c_str(), c["queued_bytes"].c_str());
 }
 
+
+// --- ssh -------------------------------------------------------------------
+
+struct SshCommand {
+  std::string host;
+  spindle::SshOptions options;
+  std::string call = "spindle.info";
+  std::vector<std::string> args;  // each passed as a msgpack string
+};
+
+int parse_port(const std::string& option, std::string_view v) {
+  int port = 0;
+  auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), port);
+  if (ec != std::errc() || end != v.data() + v.size() || port < 1 || port > 65535)
+    throw spindle::tools::UsageError(fmt::format("{}: '{}' is not a port (1 to 65535)", option, v));
+  return port;
+}
+
+// The words after "ssh". Short options take their value attached or as the
+// next word, as ssh's own do; long ones as the next word or after '='.
+// Everything after --call NAME is an argument of the call.
+SshCommand parse_ssh(const std::vector<std::string>& words) {
+  using spindle::tools::UsageError;
+  SshCommand c;
+  for (std::size_t i = 1; i < words.size(); ++i) {
+    std::string opt = words[i];
+    std::optional<std::string> attached;
+    if (opt.rfind("--", 0) == 0) {
+      if (auto eq = opt.find('='); eq != std::string::npos) {
+        attached = opt.substr(eq + 1);
+        opt.resize(eq);
+      }
+    } else if (opt.size() > 2 && opt[0] == '-') {
+      attached = opt.substr(2);
+      opt.resize(2);
+    }
+    auto value = [&]() -> std::string {
+      if (attached) return *attached;
+      if (i + 1 >= words.size()) throw UsageError(fmt::format("ssh: {} needs a value", opt));
+      return words[++i];
+    };
+    if (opt == "-l" || opt == "--user") {
+      c.options.user = value();
+    } else if (opt == "-p" || opt == "--port") {
+      c.options.port = parse_port("ssh: " + opt, value());
+    } else if (opt == "-i" || opt == "--identity") {
+      c.options.identity_file = value();
+    } else if (opt == "-o") {
+      c.options.ssh_args.insert(c.options.ssh_args.end(), {"-o", value()});
+    } else if (opt == "--agent") {
+      c.options.agent = value();
+    } else if (opt == "--remote-dir") {
+      c.options.remote_dir = value();
+      if (c.options.remote_dir.empty()) throw UsageError("ssh: --remote-dir needs a directory");
+    } else if (opt == "--connect-timeout") {
+      c.options.connect_timeout = spindle::tools::parse_duration("ssh: --connect-timeout", value());
+      if (c.options.connect_timeout.count() <= 0)
+        throw UsageError("ssh: --connect-timeout must be more than 0");
+    } else if (opt == "--call") {
+      c.call = value();
+      if (c.call.empty()) throw UsageError("ssh: --call needs a function name");
+      c.args.assign(words.begin() + static_cast<std::ptrdiff_t>(i) + 1, words.end());
+      break;
+    } else if (opt.empty()) {
+      throw UsageError("ssh: an empty argument where HOST was expected");
+    } else if (opt[0] == '-') {
+      throw UsageError(fmt::format("ssh: unknown option '{}'", words[i]));
+    } else if (c.host.empty()) {
+      c.host = opt;
+    } else {
+      throw UsageError(fmt::format("ssh: unexpected argument '{}' (one HOST; call arguments "
+                                   "go after --call NAME)", opt));
+    }
+  }
+  // A word that begins with '-' is never the host (it is refused above),
+  // so ssh is never handed a "host" it would read as an option.
+  if (c.host.empty()) throw UsageError("ssh: no HOST");
+  return c;
+}
+
+spindle::Payload pack_strings(const std::vector<std::string>& args) {
+  msgpack::sbuffer buf;
+  spindle::Packer p(buf);
+  p.pack_array(static_cast<std::uint32_t>(args.size()));
+  for (const auto& a : args) p.pack(a);
+  return spindle::Payload::copy_of(std::string_view(buf.data(), buf.size()));
+}
+
+// The answer as people read it: spindle.info's fields by name, a string
+// as it is (spindle.echo's text), anything else as msgpack-c prints it.
+void print_answer(const std::string& call, const spindle::Payload& result) {
+  const std::string bytes = result.to_string();
+  msgpack::object_handle oh = msgpack::unpack(bytes.data(), bytes.size());
+  const msgpack::object& o = oh.get();
+  if (call == "spindle.info" && o.type == msgpack::type::ARRAY && o.via.array.size >= 4) {
+    auto [host, pid, machine, rss] = o.as<std::tuple<std::string, long, std::string, long>>();
+    std::printf("host=%s pid=%ld machine=%s peak_rss_bytes=%ld\n", host.c_str(), pid,
+                machine.c_str(), rss);
+  } else if (o.type == msgpack::type::STR || o.type == msgpack::type::BIN) {
+    const char* p = o.type == msgpack::type::STR ? o.via.str.ptr : o.via.bin.ptr;
+    std::size_t n = o.type == msgpack::type::STR ? o.via.str.size : o.via.bin.size;
+    std::fwrite(p, 1, n, stdout);
+    std::fputc('\n', stdout);
+  } else {
+    std::ostringstream text;
+    text << o;
+    std::printf("%s\n", text.str().c_str());
+  }
+}
+
+int run_ssh(const SshCommand& c, std::chrono::milliseconds call_timeout) {
+  using Clock = std::chrono::steady_clock;
+  auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  spindle::Runtime rt;
+  const auto t0 = Clock::now();
+  spindle::Child remote = rt.ssh(c.host, c.options);
+  const auto t1 = Clock::now();
+  spindle::Payload result = remote.with_timeout(call_timeout).call_named(c.call, pack_strings(c.args));
+  const auto t2 = Clock::now();
+  print_answer(c.call, result);
+  std::printf("%s: started in %.1f ms (ssh, agent check or upload, handshake); %s answered in %.3f ms\n",
+              remote.name().c_str(), ms(t1 - t0), c.call.c_str(), ms(t2 - t1));
+  std::fflush(stdout);
+  remote.stop();
+  return kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,6 +242,7 @@ int main(int argc, char** argv) {
   std::string address;
   std::chrono::milliseconds timeout{10000};
   std::vector<std::string> command;
+  std::optional<SshCommand> ssh;
   try {
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -106,12 +264,21 @@ int main(int argc, char** argv) {
         throw spindle::tools::UsageError(fmt::format("unknown option '{}'", a));
       }
     }
-    if (command.empty()) throw spindle::tools::UsageError("no command (stats or ping)");
-    if (command[0] != "stats" && command[0] != "ping")
+    if (command.empty()) throw spindle::tools::UsageError("no command (stats, ping or ssh)");
+    if (command[0] == "ssh") ssh = parse_ssh(command);
+    else if (command[0] != "stats" && command[0] != "ping")
       throw spindle::tools::UsageError(fmt::format("unknown command '{}'", command[0]));
   } catch (const spindle::tools::UsageError& e) {
     std::fprintf(stderr, "spindle-ctl: %s\n(see spindle-ctl --help)\n", e.what());
     return kExitUsage;
+  }
+  if (ssh) {
+    try {
+      return run_ssh(*ssh, timeout);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "spindle-ctl: ssh %s: %s\n", ssh->host.c_str(), e.what());
+      return kExitError;
+    }
   }
   try {
     spindle::RouterOptions ro;
