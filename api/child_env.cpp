@@ -101,7 +101,13 @@ int ChildEnv::serve_on(std::size_t threads) {
     auto svc = std::make_unique<services::Service>(
         name, here ? services::RunMode::kSerialized : services::RunMode::kConcurrent);
     for (auto& f : fns) {
-      auto access = f.allow == Allow::kAnyone ? services::Access::any() : services::Access::parents();
+      auto access = f.allow == Allow::kAnyone ? services::Access::any()
+                    : f.allow == Allow::kUpstream
+                        ? services::Access::when("parent and above",
+                                                 [r = &router_](const services::Caller& c) {
+                                                   return c.auth_id == c.self_id || r->upstream(c.auth_id);
+                                                 })
+                        : services::Access::parents();
       svc->expose(f.method, std::move(access),
                   [fn = f.fn](services::Request& req) {
                     detail::ReceivedFds fds(req.message().fds);  // for UniqueFd arguments

@@ -92,7 +92,8 @@ int run_agent(int argc, char** argv, AgentSetup setup) {
     std::mutex hops_mu;
     std::vector<Context> hops;  // their ssh processes are this process's children
     // Harmless to anyone who can reach this context; spindle.ssh starts
-    // processes, so only the parent may ask for it.
+    // processes, so only the contexts above this one may ask for it (the
+    // root asks a hop to start the next hop).
     env.expose_encoded("spindle.echo", Allow::kAnyone, echo);
     env.expose(kInfo, [] { return info(); }, Allow::kAnyone);
     Router& router = env.router();
@@ -104,7 +105,7 @@ int run_agent(int argc, char** argv, AgentSetup setup) {
       std::lock_guard lk(hops_mu);
       hops.push_back(std::move(hop));
       return r;
-    });
+    }, Allow::kUpstream);
     if (setup) setup(env);
     // Until SHUTDOWN, or the session is gone; then the hops go too (the
     // broker's end tells its children and reaps their ssh processes).

@@ -226,6 +226,14 @@ void Router::set_close_explainer(Stream& s, std::function<std::string(const std:
   if (Link* l = link_of(s)) l->explain_close = std::move(explain);
 }
 
+bool Router::upstream(std::uint32_t id) {
+  if (id == this->id()) return false;
+  std::lock_guard lk(ports_mu_);
+  if (!parent_port_.port) return false;
+  auto it = ports_.find(id);
+  return it == ports_.end() || it->second.port == parent_port_.port;
+}
+
 void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsent unsent) {
   auto it = links_.find(&s);
   if (it == links_.end()) return;

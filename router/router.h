@@ -187,6 +187,10 @@ class Router : public StreamListener, public ShutdownParticipant {
   // ssh's exit status and last stderr line). It owns what it captures until
   // then. Ignored for a stream that is not a link (already closed).
   void set_close_explainer(Stream& s, std::function<std::string(const std::string&)> explain);
+  // Any thread: true if `id` is reached through the parent link (the parent
+  // or a context above or beside it), false for this context and those
+  // behind its children.
+  bool upstream(std::uint32_t id);
   // Broker thread: adopts an accepted client socket. `handshake` assigns its
   // id (a ListenerHandshake); the route is added when the handshake completes.
   // Once shutdown has begun it closes the fd instead and returns nullptr.
