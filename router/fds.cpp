@@ -5,8 +5,8 @@
 // - a sender's message: at most 253 fds (an error to the caller, never a
 //   silent split), and a payload of memfd_threshold bytes or more is copied
 //   once into a sealed memfd on the sender's thread (a PayloadBuffer's payload
-//   already is one and is not copied at all), unless its first hop is a pipe,
-//   which cannot carry one;
+//   already is one and is not copied at all), unless its first hop cannot
+//   take fds;
 // - forwarding: fds pass unchanged, and each peer is charged for the fds it
 //   has in flight through this router, dbus-broker style. The charge rides in
 //   the FdSet, so it is released whenever the fds go (written, refused,
@@ -51,9 +51,10 @@ void Router::prepare_fds_for_send(Message& msg) {
   if (msg.header.dst_id == id() || msg.data.memfd() || msg.data.size() < opts_.memfd_threshold ||
       msg.data.size() == 0 || msg.fds.size() == kMaxFdsPerMessage)
     return;
-  // A pipe link (an ssh session, a child on stdio) cannot carry the memfd:
-  // the bytes would be copied into it only to be written inline from it.
-  if (PortRef p = port_for(msg.header.dst_id); p.port && !p.port->is_socket) return;
+  // A link that cannot carry the memfd (a pipe, an ssh session, a Mitogen
+  // peer): the bytes would be copied into it only to be written inline again.
+  if (PortRef p = port_for(msg.header.dst_id); p.port && !p.port->peer_takes_fds.load(std::memory_order_acquire))
+    return;
   // One copy into the memfd on the caller's thread, then a view of it: the
   // size (and so every gauge charge) is unchanged; a peer that cannot take
   // fds is sent the bytes from this view.

@@ -8,6 +8,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -37,7 +38,6 @@ using Clock = std::chrono::steady_clock;
 constexpr std::size_t kMaxLine = 1024;          // longer stderr lines are cut
 constexpr std::size_t kMaxBootstrapJunk = 64 << 10;  // what a login shell may print first
 constexpr double kStderrLinesPerSecond = 20, kStderrBurst = 100;
-constexpr int kLinkPipeSize = 1 << 20;          // fewer wake-ups per bulk transfer
 
 [[noreturn]] void throw_errno(const char* what) {
   throw std::system_error(errno, std::generic_category(), what);
@@ -133,87 +133,55 @@ class StderrReader : public std::enable_shared_from_this<StderrReader> {
   char buf_[4096];
 };
 
-// Blocks SIGPIPE on this thread while it writes the upload (a dead ssh is
-// an EPIPE to report, not a signal that kills the process), and consumes the
-// one it may leave pending.
-class SigpipeBlocked {
- public:
-  SigpipeBlocked() {
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGPIPE);
-    ok_ = ::pthread_sigmask(SIG_BLOCK, &set, &old_) == 0;
-  }
-  ~SigpipeBlocked() {
-    if (!ok_) return;
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGPIPE);
-    struct timespec zero {};
-    while (::sigtimedwait(&set, nullptr, &zero) == SIGPIPE) {
-    }
-    ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
-  }
-
- private:
-  sigset_t old_;
-  bool ok_ = false;
-};
-
+// Our ends of ssh's stdio: one socket for its stdin and stdout (a socket
+// lets senders on any thread write a frame directly, with MSG_NOSIGNAL,
+// where a pipe would need the broker), and a pipe for its stderr.
 struct SshPipes {
-  int in = -1, out = -1, err = -1;  // our ends: ssh's stdin, stdout, stderr
+  int link = -1, err = -1;
   void close_all() {
-    for (int* fd : {&in, &out, &err})
+    for (int* fd : {&link, &err})
       if (*fd >= 0) ::close(std::exchange(*fd, -1));
   }
 };
 
-// posix_spawnp(ssh) with three pipes as its stdio and nothing else open.
+// posix_spawnp(ssh) with that socket and pipe as its stdio, nothing else open.
 pid_t spawn_ssh(const std::vector<std::string>& argv, SshPipes& ours) {
-  int p[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
-  auto close_pipes = [&] {
-    for (auto& pp : p)
-      for (int fd : pp)
-        if (fd >= 0) ::close(fd);
-  };
-  for (auto& pp : p)
-    if (::pipe2(pp, O_CLOEXEC) < 0) {
-      int err = errno;
-      close_pipes();
-      errno = err;
-      throw_errno("pipe2");
-    }
-  // Best effort: a larger pipe moves more per wake-up of each side.
-  ::fcntl(p[0][1], F_SETPIPE_SZ, kLinkPipeSize);
-  ::fcntl(p[1][0], F_SETPIPE_SZ, kLinkPipeSize);
+  int sv[2] = {-1, -1}, ep[2] = {-1, -1};
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) throw_errno("socketpair");
+  if (::pipe2(ep, O_CLOEXEC) < 0) {
+    int err = errno;
+    ::close(sv[0]);
+    ::close(sv[1]);
+    errno = err;
+    throw_errno("pipe2");
+  }
   posix_spawn_file_actions_t fa;
-  if (int e = posix_spawn_file_actions_init(&fa)) {
-    close_pipes();
-    throw std::system_error(e, std::generic_category(), "posix_spawn_file_actions_init");
+  int rc = posix_spawn_file_actions_init(&fa);
+  if (rc == 0) {
+    rc = posix_spawn_file_actions_adddup2(&fa, sv[1], 0);
+    if (rc == 0) rc = posix_spawn_file_actions_adddup2(&fa, sv[1], 1);
+    if (rc == 0) rc = posix_spawn_file_actions_adddup2(&fa, ep[1], 2);
+    if (rc == 0) rc = posix_spawn_file_actions_addclosefrom_np(&fa, 3);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    pid_t pid = -1;
+    if (rc == 0) rc = ::posix_spawnp(&pid, argv[0].c_str(), &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(sv[1]);
+    ::close(ep[1]);
+    if (rc == 0) {
+      ours.link = sv[0];
+      ours.err = ep[0];
+      return pid;
+    }
+  } else {
+    ::close(sv[1]);
+    ::close(ep[1]);
   }
-  int rc = posix_spawn_file_actions_adddup2(&fa, p[0][0], 0);
-  if (rc == 0) rc = posix_spawn_file_actions_adddup2(&fa, p[1][1], 1);
-  if (rc == 0) rc = posix_spawn_file_actions_adddup2(&fa, p[2][1], 2);
-  if (rc == 0) rc = posix_spawn_file_actions_addclosefrom_np(&fa, 3);
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  if (rc == 0) rc = ::posix_spawnp(&pid, argv[0].c_str(), &fa, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  ::close(p[0][0]);
-  ::close(p[1][1]);
-  ::close(p[2][1]);
-  if (rc != 0) {
-    ::close(p[0][1]);
-    ::close(p[1][0]);
-    ::close(p[2][0]);
-    throw Error(fmt::format("ssh: cannot run {}: {}", argv[0], std::strerror(rc)));
-  }
-  ours.in = p[0][1];
-  ours.out = p[1][0];
-  ours.err = p[2][0];
-  return pid;
+  ::close(sv[0]);
+  ::close(ep[0]);
+  throw Error(fmt::format("ssh: cannot run {}: {}", argv[0], std::strerror(rc)));
 }
 
 std::shared_ptr<ChildProcess> watch(pid_t pid) {
@@ -236,11 +204,10 @@ std::string ended(SshSession& s, std::optional<int> status) {
 }
 
 // Runs the bootstrap on this thread until the agent has been started (its
-// handshake comes next on `pipes.out`). Throws Error with the reason.
+// handshake comes next on `pipes.link`). Throws Error with the reason.
 void bootstrap(SshPipes& pipes, const AgentImage& agent, SshSession& session, Clock::time_point deadline) {
-  if (::fcntl(pipes.err, F_SETFL, O_NONBLOCK) < 0 || ::fcntl(pipes.in, F_SETFL, O_NONBLOCK) < 0)
+  if (::fcntl(pipes.err, F_SETFL, O_NONBLOCK) < 0 || ::fcntl(pipes.link, F_SETFL, O_NONBLOCK) < 0)
     throw_errno("fcntl(O_NONBLOCK)");
-  SigpipeBlocked no_sigpipe;
   std::string line;
   std::size_t junk = 0, sent = 0;
   bool sending = false, err_open = true;
@@ -261,9 +228,9 @@ void bootstrap(SshPipes& pipes, const AgentImage& agent, SshSession& session, Cl
       throw Error(fmt::format("ssh to {}: no agent within the connect timeout{}", session.host,
                               last.empty() ? "" : " (ssh said: " + last + ")"));
     }
-    pollfd fds[3] = {{sending ? -1 : pipes.out, POLLIN, 0},
+    pollfd fds[3] = {{sending ? -1 : pipes.link, POLLIN, 0},
                      {err_open ? pipes.err : -1, POLLIN, 0},
-                     {sending ? pipes.in : -1, POLLOUT, 0}};
+                     {sending ? pipes.link : -1, POLLOUT, 0}};
     int n = ::poll(fds, 3, static_cast<int>(left.count()));
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -277,8 +244,8 @@ void bootstrap(SshPipes& pipes, const AgentImage& agent, SshSession& session, Cl
     }
     if (fds[0].revents) {
       char c;
-      ssize_t r = ::read(pipes.out, &c, 1);
-      if (r < 0 && errno == EINTR) continue;
+      ssize_t r = ::read(pipes.link, &c, 1);
+      if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       if (r <= 0) throw Error(fail("the remote command ended before the agent started"));
       if (c != '\n') {
         if (line.size() < kMaxLine) line.push_back(c);
@@ -299,7 +266,7 @@ void bootstrap(SshPipes& pipes, const AgentImage& agent, SshSession& session, Cl
     }
     if (sending && fds[2].revents) {
       std::size_t chunk = std::min<std::size_t>(agent.bytes.size() - sent, 1 << 20);
-      ssize_t w = ::write(pipes.in, agent.bytes.data() + sent, chunk);
+      ssize_t w = ::send(pipes.link, agent.bytes.data() + sent, chunk, MSG_NOSIGNAL);
       if (w < 0 && (errno == EAGAIN || errno == EINTR)) continue;
       if (w < 0) throw Error(fail(fmt::format("the upload broke off after {} bytes: {}", sent, std::strerror(errno))));
       sent += static_cast<std::size_t>(w);
@@ -358,7 +325,7 @@ Context ssh_child(Router& parent, const std::string& host, const SshOptions& opt
   auto session = std::make_shared<SshSession>(host, name, proc);
   try {
     bootstrap(pipes, *agent, *session, deadline);
-    if (::fcntl(pipes.in, F_SETFL, 0) < 0) throw_errno("fcntl");  // the stream sets its own flags
+    if (::fcntl(pipes.link, F_SETFL, 0) < 0) throw_errno("fcntl");  // the stream sets its own flags
   } catch (...) {
     pipes.close_all();
     proc->finish(std::chrono::milliseconds(0));
@@ -366,7 +333,7 @@ Context ssh_child(Router& parent, const std::string& host, const SshOptions& opt
   }
   int err_fd = std::exchange(pipes.err, -1);
   Context ctx = detail::adopt_child(
-      parent, pipes.out, pipes.in, id, name, proc, [&parent, session, err_fd](Stream& s) {
+      parent, pipes.link, pipes.link, id, name, proc, [&parent, session, err_fd](Stream& s) {
         auto reader = std::make_shared<StderrReader>(parent.broker().io(), err_fd, session);
         reader->start();
         parent.set_close_explainer(s, explainer(session, reader));

@@ -1,7 +1,9 @@
 // Remote children over OpenSSH (see <spindle/ssh.h> for what users get).
 //
 // ssh_child() runs on the caller's thread until the session is usable: it
-// spawns ssh with three pipes, answers the bootstrap (router/ssh_bootstrap.h)
+// spawns ssh with a socket as its stdin and stdout (so that any thread may
+// write a frame directly, as on a local child's link) and a pipe as its
+// stderr, answers the bootstrap (router/ssh_bootstrap.h)
 // by reading the remote's first line from ssh's stdout one byte at a time
 // (so that not one byte of the agent's handshake is taken from the stream),
 // uploads the agent if asked, and hands stdin/stdout to the router as an

@@ -150,6 +150,11 @@ class StreamPort {
   // Set by the stream before it is shared.
   int fd = -1;
   bool is_socket = false;
+  // False once it is known that the peer cannot take fds (a pipe link; a
+  // handshake without kFlagFdPassing: an ssh session, a Mitogen peer). A
+  // sender then does not copy a large payload into a memfd that could only
+  // be written inline again.
+  std::atomic<bool> peer_takes_fds{true};
   std::string name;
   // The broker takes over: the rest of a frame (null: only a kick).
   std::function<void(TxFrame* rest, const std::string& error)> hand_over;

@@ -188,6 +188,7 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
   rx_.set_account(account_);
   port_->fd = write_fd;
   port_->is_socket = is_socket_ && !wr_;
+  port_->peer_takes_fds.store(port_->is_socket, std::memory_order_release);
   port_->name = opts_.name;
 }
 
@@ -485,6 +486,7 @@ bool Stream::run_handshake() {
     return false;
   }
   peer_ = handshake_->peer();
+  port_->peer_takes_fds.store(peer_takes_fds(), std::memory_order_release);
   handshake_.reset();
   handshake_timer_.cancel();
   state_ = drain_started_here_ ? StreamState::kDraining : StreamState::kOpen;
