@@ -8,6 +8,8 @@
 //    lock); Completions::get() releases the GIL while it waits and takes the
 //    GIL back only after dropping its lock, so the broker never waits for a
 //    thread that waits for the GIL;
+//  - ssh() releases it for the whole start (ssh, the agent's upload, its
+//    handshake: up to connect_timeout);
 //  - fork() holds the GIL across Runtime::fork_child, as os.fork does
 //    (PyOS_BeforeFork / AfterFork_Parent / AfterFork_Child), which is safe
 //    because the broker thread, which fork_child parks, never needs it.
@@ -210,6 +212,17 @@ struct PyRuntime {
     py::gil_scoped_release nogil;
     return PyChild{std::make_unique<Child>(r.spawn_child(program, args, std::move(opts)))};
   }
+  // A context on another host (<spindle/ssh.h>). `via` is the context the
+  // session starts from (a hop), or None for this process. Empty strings
+  // and 0 leave SshOptions' defaults; the agent's router takes messages as
+  // large as this router's children do.
+  PyChild ssh(const std::string& host, SshOptions opts, std::optional<PyContext> via) {
+    Runtime& r = get();
+    opts.router.max_message_size = max_message_size;
+    if (via) opts.via = via->ctx;
+    py::gil_scoped_release nogil;
+    return PyChild{std::make_unique<Child>(r.ssh(host, std::move(opts)))};
+  }
   void close() {
     std::unique_ptr<Runtime> doomed = std::move(rt);
     py::gil_scoped_release nogil;
@@ -321,6 +334,27 @@ void bind_runtime_objects(py::module_& m) {
       .def_property_readonly("id", [](PyRuntime& r) { return r.get().id(); })
       .def("fork", &PyRuntime::fork)
       .def("spawn", &PyRuntime::spawn)
+      .def("ssh",
+           [](PyRuntime& r, const std::string& host, const std::string& user, int port,
+              const std::string& identity_file, std::vector<std::string> ssh_args,
+              double connect_timeout, const std::string& control_path, const std::string& agent,
+              const std::string& remote_dir, const std::string& name, std::optional<PyContext> via) {
+             if (port < 0 || port > 65535) throw py::value_error("spindle: ssh(port=) is 1 to 65535 (0: ssh's choice)");
+             SshOptions opts;
+             opts.user = user;
+             opts.port = port;
+             opts.identity_file = identity_file;
+             opts.ssh_args = std::move(ssh_args);
+             opts.connect_timeout = to_ms(connect_timeout);
+             opts.control_path = control_path;
+             opts.agent = agent;
+             if (!remote_dir.empty()) opts.remote_dir = remote_dir;
+             opts.name = name;
+             return r.ssh(host, std::move(opts), std::move(via));
+           },
+           py::arg("host"), py::arg("user"), py::arg("port"), py::arg("identity_file"),
+           py::arg("ssh_args"), py::arg("connect_timeout"), py::arg("control_path"),
+           py::arg("agent"), py::arg("remote_dir"), py::arg("name"), py::arg("via"))
       .def("context", [](PyRuntime& r, std::uint32_t id) { return PyContext{r.get().context(id)}; })
       .def("port", [](PyRuntime& r) { return make_port(r.get().router()); })
       .def("close", &PyRuntime::close)

@@ -6,7 +6,7 @@
         return n * n
 
     with spindle.Router() as router:
-        child = router.fork()                 # or router.spawn()
+        child = router.fork()                 # or router.spawn(), router.ssh(host)
         child.call(square, 7)                 # 49, run in the child
         child.call_async(square, 3).result()  # a concurrent.futures.Future
         # await child.acall(square, 5)        # in a coroutine
@@ -232,6 +232,38 @@ class Router(_Endpoint):
         args = ["-m", "spindle.child", "--max-message-size", str(self._max_message_size)]
         args += ["--main", main] if main else []
         return self._adopt(self._core.spawn(python or sys.executable, args, name))
+
+    def ssh(self, host, *, user="", port=0, identity_file="", ssh_args=(), connect_timeout=10.0,
+            control_path="", agent="", remote_dir="", name="", via=None):
+        """Starts a context on `host` over OpenSSH and returns its Child.
+
+        The remote side runs spindle-agent (a C++ program: it serves
+        functions by name, such as child.call("spindle.echo", "hi") and
+        "spindle.info", not Python functions), uploaded through the same
+        session if the host lacks this build's (docs/REMOTE.md). user, port
+        and identity_file are ssh's -l, -p and -i; ssh_args go to ssh as
+        they are (a list: ["-o", "Option=value", ...]); connect_timeout
+        (seconds) bounds the whole start; control_path reuses a
+        ControlMaster; agent is the binary to run there (default:
+        $SPINDLE_AGENT, else the installed one); remote_dir is where the host
+        caches agents (relative: below its $HOME; default .cache/spindle);
+        via is a context an earlier ssh() returned, to start this one from
+        (a hop). BatchMode is on: a refused login raises spindle.Error with
+        ssh's own message instead of prompting for a password.
+        """
+        self._owner._check()
+        if isinstance(ssh_args, (str, bytes)):
+            raise TypeError("spindle: ssh(ssh_args=...) is a list of arguments, not one string")
+        if via is not None:
+            if not isinstance(via, Context):
+                raise TypeError(f"spindle: ssh(via=...) takes a Context, not {via!r}")
+            if via._owner is not self._owner:
+                raise ValueError("spindle: ssh(via=...) takes a context of this Router")
+        fspath = lambda p: os.fspath(p) if p else ""  # noqa: E731 - paths may be PathLike
+        return self._adopt(self._core.ssh(
+            str(host), user or "", int(port or 0), fspath(identity_file),
+            [str(a) for a in ssh_args], float(connect_timeout), fspath(control_path),
+            fspath(agent), fspath(remote_dir), name or "", via._core if via is not None else None))
 
     def context(self, context_id):
         """Another context by id (a sibling): not owned."""
