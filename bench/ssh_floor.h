@@ -3,6 +3,7 @@
 //
 //   RawSshPipe cat(ssh_command(host, opts, "cat"), log_path);
 //   double start_ms = cat.wait_echo(timeout);           // session up: 1 byte back
+//   auto [line, ms] = upload.send_then_line(bytes, timeout);  // a command that reads them
 //   std::vector<double> us = cat.rtt(64, 200, 2000);      // 64 B written, 64 B read back
 //   double bytes_per_s = cat.stream(128 << 20, 64 << 10, 256 << 10);  // written and read
 //                                                        // concurrently, 256 KiB in flight
@@ -40,6 +41,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <spindle/ssh.h>
@@ -120,6 +122,22 @@ class RawSshPipe {
     read_exact(&back, 1, timeout);
     if (back != b) throw std::runtime_error("the raw ssh echo came back wrong");
     return std::chrono::duration<double, std::milli>(Clock::now() - started_).count();
+  }
+
+  // `bytes` written (for a remote command that reads them, such as the
+  // upload floor's `head -c N > f; sha256sum < f`), then one line read
+  // back, which is returned (without its newline) with the ms since the
+  // spawn.
+  std::pair<std::string, double> send_then_line(const std::string& bytes, std::chrono::milliseconds timeout) {
+    write_all(bytes.data(), bytes.size(), timeout);
+    std::string line;
+    char buf[256];
+    while (line.find('\n') == std::string::npos) {
+      if (line.size() > 4096) throw std::runtime_error("the raw ssh command's answer has no end of line");
+      line.append(buf, read_some(buf, sizeof buf, timeout));
+    }
+    line.resize(line.find('\n'));
+    return {line, std::chrono::duration<double, std::milli>(Clock::now() - started_).count()};
   }
 
   // `iters` round trips of `size` bytes after `warmup` more; microseconds.
