@@ -200,11 +200,12 @@ double login_shell_ms() {
   char* argv[] = {sh.data(), c.data(), t.data(), nullptr};
   posix_spawn_file_actions_t fa;
   if (::posix_spawn_file_actions_init(&fa) != 0) return -1;
+  int rc = 0;
   for (int fd : {0, 1, 2})
-    if (::posix_spawn_file_actions_addopen(&fa, fd, "/dev/null", fd ? O_WRONLY : O_RDONLY, 0) != 0) return -1;
+    if (rc == 0) rc = ::posix_spawn_file_actions_addopen(&fa, fd, "/dev/null", fd ? O_WRONLY : O_RDONLY, 0);
   const auto t0 = Clock::now();
   pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, shell.c_str(), &fa, nullptr, argv, envp.data());
+  if (rc == 0) rc = ::posix_spawn(&pid, shell.c_str(), &fa, nullptr, argv, envp.data());
   ::posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) return -1;
   int st = 0;
