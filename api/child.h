@@ -110,12 +110,19 @@ class ChildEnv {
   // Error for 0 threads or more than 1024.
   int serve(Pool pool);
 
+  // Internal: expose_encoded() for a function that never blocks and takes
+  // microseconds (the agent's spindle.echo): it runs on the thread that
+  // receives the call, not on serve()'s, so it never waits behind a slow
+  // call and costs no hand-off. Only with serve(Pool).
+  void expose_on_receiver(std::string_view name, Allow allow, std::function<Payload(const Payload&)> fn);
   // Internal: the machinery underneath, for the project's own tests.
   Router& router() { return router_; }
   Broker& broker() { return broker_; }
 
  private:
   int serve_on(std::size_t threads);  // 0: on this thread
+  void add_exposed(std::string_view name, Allow allow, std::function<Payload(const Payload&)> fn,
+                   bool on_receiver);
 
   Router& router_;
   Broker& broker_;

@@ -33,6 +33,7 @@ struct Exposed {
     std::string method;
     Allow allow;
     std::function<Payload(const Payload&)> fn;
+    bool on_receiver = false;
   };
   std::map<std::string, std::vector<Fn>, std::less<>> services;
   // Destroyed host first: it stops the pool it borrows.
@@ -57,6 +58,11 @@ void ChildEnv::ready() { router_.hold_unknown_handles(false); }
 
 void ChildEnv::expose_encoded(std::string_view name, Allow allow,
                               std::function<Payload(const Payload&)> fn) {
+  add_exposed(name, allow, std::move(fn), false);
+}
+
+void ChildEnv::add_exposed(std::string_view name, Allow allow, std::function<Payload(const Payload&)> fn,
+                           bool on_receiver) {
   if (exposed_ && exposed_->host) throw Error(fmt::format("expose({}): serve() has already begun", name));
   std::string_view service = kDefaultService, method = name;
   if (auto dot = name.rfind('.'); dot != std::string_view::npos) {
@@ -69,7 +75,12 @@ void ChildEnv::expose_encoded(std::string_view name, Allow allow,
   auto& fns = exposed_->services[std::string(service)];
   for (auto& f : fns)
     if (f.method == method) throw Error(fmt::format("expose: {} is already exposed", name));
-  fns.push_back({std::string(method), allow, std::move(fn)});
+  fns.push_back({std::string(method), allow, std::move(fn), on_receiver});
+}
+
+void ChildEnv::expose_on_receiver(std::string_view name, Allow allow,
+                                  std::function<Payload(const Payload&)> fn) {
+  add_exposed(name, allow, std::move(fn), true);
 }
 
 int ChildEnv::serve() { return serve_on(0); }
@@ -113,7 +124,7 @@ int ChildEnv::serve_on(std::size_t threads) {
                     detail::ReceivedFds fds(req.message().fds);  // for UniqueFd arguments
                     return fn(req.args());
                   },
-                  services::Encoding::kMsgpack);
+                  services::Encoding::kMsgpack, f.on_receiver && !here);
     }
     services.push_back(std::move(svc));
   }

@@ -34,7 +34,6 @@
 namespace spindle {
 namespace {
 
-inline constexpr method<std::tuple<std::string, long, std::string, long>()> kInfo{"spindle.info"};
 inline constexpr method<std::tuple<long, std::string>(std::string, std::vector<std::string>)> kSsh{
     "spindle.ssh"};
 
@@ -94,8 +93,12 @@ int run_agent(int argc, char** argv, AgentSetup setup) {
     // Harmless to anyone who can reach this context; spindle.ssh starts
     // processes, so only the contexts above this one may ask for it (the
     // root asks a hop to start the next hop).
-    env.expose_encoded("spindle.echo", Allow::kAnyone, echo);
-    env.expose(kInfo, [] { return info(); }, Allow::kAnyone);
+    // Both answer on the thread that receives the call (the broker): no
+    // hand-off to a worker and back, which would cost more than they do.
+    env.expose_on_receiver("spindle.echo", Allow::kAnyone, echo);
+    env.expose_on_receiver("spindle.info", Allow::kAnyone, [](const Payload&) {
+      return detail::encode_value<std::tuple<std::string, long, std::string, long>>(info());
+    });
     Router& router = env.router();
     env.expose(kSsh, [&](std::string host, std::vector<std::string> words) {
       SshOptions o = decode_hop_options(words);

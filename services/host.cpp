@@ -103,12 +103,21 @@ void ServiceHost::on_request(Message&& m) {
   DecodeResult d = decode_call(m.data);
   if (!d.ok()) return reject(m, d.error);
   Lane* lane = nullptr;
+  Service* svc = nullptr;
   {
     std::lock_guard lk(mu_);
     auto it = services_.find(d.envelope.service);
-    if (it != services_.end()) lane = it->second.lane;
+    if (it != services_.end()) {
+      lane = it->second.lane;
+      svc = it->second.service.get();
+    }
   }
   if (!lane) return reject(m, fmt::format("{}: {}", reason::kUnknownService, d.envelope.service));
+  // Methods are all exposed before the service is hosted: find() reads a
+  // map nobody writes any more.
+  if (svc->mode() == RunMode::kConcurrent)
+    if (const Service::Exposed* ex = svc->find(d.envelope.method); ex && ex->on_receiver)
+      return run(*svc, std::move(m));
   pool_.submit(*lane, std::move(m));
 }
 

@@ -45,11 +45,11 @@ Service::Service(std::string name, RunMode mode) : name_(std::move(name)), mode_
     throw Error(fmt::format("invalid service name '{}': 1 to {} bytes, no NUL", name_, kMaxNameLength));
 }
 
-void Service::expose(std::string method, Access access, Method fn, Encoding encoding) {
+void Service::expose(std::string method, Access access, Method fn, Encoding encoding, bool on_receiver) {
   if (method.empty() || method.size() > kMaxNameLength || method.find('\0') != std::string::npos)
     throw Error(fmt::format("service {}: invalid method name '{}'", name_, method));
   if (!fn) throw Error(fmt::format("service {}: method {} has no function", name_, method));
-  if (!methods_.emplace(method, Exposed{std::move(access), std::move(fn), encoding}).second)
+  if (!methods_.emplace(method, Exposed{std::move(access), std::move(fn), encoding, on_receiver}).second)
     throw Error(fmt::format("service {}: method {} is already exposed", name_, method));
 }
 

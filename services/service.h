@@ -105,8 +105,13 @@ class Service {
 
   const std::string& name() const { return name_; }
   RunMode mode() const { return mode_; }
-  // Throws Error on an invalid or duplicate method name.
-  void expose(std::string method, Access access, Method fn, Encoding encoding = Encoding::kRaw);
+  // Throws Error on an invalid or duplicate method name. A method that never
+  // blocks and takes microseconds (an echo, a status) may be `on_receiver`:
+  // in a kConcurrent service it runs on the thread that receives the call
+  // (the broker's, for a peer's), saving the hand-off to a worker and back,
+  // which costs more than the method. Never for anything that may wait.
+  void expose(std::string method, Access access, Method fn, Encoding encoding = Encoding::kRaw,
+              bool on_receiver = false);
   // Runs once, after the pool's workers have stopped.
   virtual void on_shutdown() {}
 
@@ -114,6 +119,7 @@ class Service {
     Access access;
     Method fn;
     Encoding encoding = Encoding::kRaw;
+    bool on_receiver = false;
   };
   const Exposed* find(std::string_view method) const;
 
