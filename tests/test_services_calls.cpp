@@ -3,6 +3,7 @@
 // from another thread, and the envelope's byte layout.
 #include <atomic>
 #include <future>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -203,6 +204,30 @@ TEST(ServicesCalls, DuplicateServiceOrMethodIsRefused) {
   s.expose("m", Access::any(), [](Request&) { return Payload(); });
   EXPECT_THROW(s.expose("m", Access::any(), [](Request&) { return Payload(); }), Error);
   EXPECT_THROW(Service(std::string(300, 'n')), Error);
+}
+
+// A method exposed on_receiver runs on the thread that receives the call (for
+// a local call, the caller's own), not on a worker; a serialized service
+// keeps its one-at-a-time rule and ignores the flag.
+TEST(ServicesCalls, AnOnReceiverMethodRunsOnTheReceivingThread) {
+  auto thread_text = [](Request&) {
+    std::ostringstream os;
+    os << std::this_thread::get_id();
+    return Payload::copy_of(os.str());
+  };
+  ServiceRig rig(2);
+  auto quick = std::make_unique<Service>("quick");
+  quick->expose("here", Access::any(), thread_text, services::Encoding::kRaw, /*on_receiver=*/true);
+  quick->expose("pooled", Access::any(), thread_text);
+  rig.add(std::move(quick));
+  auto serial = std::make_unique<Service>("serial", services::RunMode::kSerialized);
+  serial->expose("here", Access::any(), thread_text, services::Encoding::kRaw, /*on_receiver=*/true);
+  rig.add(std::move(serial));
+  std::ostringstream me;
+  me << std::this_thread::get_id();
+  EXPECT_EQ(services::call_text(rig.self, "quick", "here"), me.str());
+  EXPECT_NE(services::call_text(rig.self, "quick", "pooled"), me.str());
+  EXPECT_NE(services::call_text(rig.self, "serial", "here"), me.str());
 }
 
 }  // namespace test_services_calls
