@@ -168,6 +168,8 @@ def test_echo_and_info(router, sshd):
     assert child.call("spindle.echo", "hello over ssh") == "hello over ssh"
     text = "x" * 100_000  # more than one ssh channel packet
     assert child.call("spindle.echo", text) == text
+    # The agent answers with the argument's own bytes: bytes stay bytes.
+    assert child.call("spindle.echo", b"\x00\xff raw") == b"\x00\xff raw"
     host, pid, machine, peak_rss = child.call("spindle.info")
     assert host == socket.gethostname()
     assert machine == os.uname().machine
