@@ -14,6 +14,7 @@
 
 #include <cstring>
 #include <set>
+#include <stdexcept>
 #include <span>
 #include <string>
 #include <utility>
@@ -27,6 +28,16 @@
 #include "tests/stream_test_util.h"
 
 namespace spindle::testutil {
+
+// A CLOEXEC pipe whose ends close themselves (make_pipe() gives raw fds).
+struct Pipe {
+  UniqueFd read, write;
+};
+inline Pipe make_owned_pipe() {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
+  return {UniqueFd(p[0]), UniqueFd(p[1])};
+}
 
 // What an fd refers to: equal for dups and for an fd passed to another process.
 inline std::pair<dev_t, ino_t> fd_identity(int fd) {

@@ -21,20 +21,14 @@
 
 #include <spindle/asio.h>
 #include <spindle/spindle.h>
+#include "tests/fds_test_util.h"
 
 namespace test_api_fds {
 
 using namespace std::chrono_literals;
 
-struct Pipe {
-  spindle::UniqueFd read, write;
-};
-
-Pipe make_pipe() {
-  int p[2];
-  if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
-  return {spindle::UniqueFd(p[0]), spindle::UniqueFd(p[1])};
-}
+using spindle::testutil::Pipe;
+constexpr auto make_pipe = spindle::testutil::make_owned_pipe;
 
 // What the read end yields until EOF, or "<timeout>" after 10 s without it.
 std::string read_to_eof(const spindle::UniqueFd& fd) {

@@ -41,6 +41,7 @@
 
 #include <spindle/spindle.h>
 
+#include "tests/fds_test_util.h"
 #include "tests/sshd_fixture.h"
 
 namespace test_ssh {
@@ -133,14 +134,8 @@ std::vector<long> children_named(long ppid, const std::string& comm) {
   return out;
 }
 
-struct Pipe {
-  spindle::UniqueFd read, write;
-};
-Pipe make_pipe() {
-  int p[2];
-  if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
-  return {spindle::UniqueFd(p[0]), spindle::UniqueFd(p[1])};
-}
+using spindle::testutil::Pipe;
+constexpr auto make_pipe = spindle::testutil::make_owned_pipe;
 
 // Whether `fd` reads EOF within `timeout` (every write end closed).
 bool eof_within(int fd, std::chrono::milliseconds timeout) {
