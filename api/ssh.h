@@ -29,6 +29,9 @@
 //   spindle.info() -> std::tuple<std::string, long, std::string, long>
 //       [host name, pid, machine (uname -m), peak RSS in bytes]
 //   spindle.ssh(...)                            a hop (SshOptions::via)
+//   spindle.fork(std::string name) -> std::tuple<long, std::string>
+//       [id, name] of a child forked on that host, serving the same names;
+//       reach it with Runtime::context(id, name)
 //
 // Thread safety: Runtime::ssh() may be called from any thread but the
 // broker's; it blocks until the agent has answered its handshake (or

@@ -5,8 +5,9 @@
 // answers the parent's handshake, serves the built-in names and whatever the
 // program's setup exposes, on four threads of its own (a slow call, or a
 // hop's start, does not hold up the others), and ends when its parent says
-// SHUTDOWN or the session ends. The hops it starts for spindle.ssh are its
-// children: they end with it.
+// SHUTDOWN or the session ends. The hops it starts for spindle.ssh and the
+// children it forks for spindle.fork (copies of itself on its host, serving
+// the same names) are its children: they end with it.
 //
 // spindle.echo answers with the argument's own bytes (the argument array's
 // one element, sliced out): no copy, so a 64 MiB echo costs the agent the
@@ -26,6 +27,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "router/child.h"
 #include "router/child_internal.h"
 #include "router/ssh.h"
 #include "router/ssh_bootstrap.h"
@@ -36,6 +38,7 @@ namespace {
 
 inline constexpr method<std::tuple<long, std::string>(std::string, std::vector<std::string>)> kSsh{
     "spindle.ssh"};
+inline constexpr method<std::tuple<long, std::string>(std::string)> kFork{"spindle.fork"};
 
 // The argument array [x] without its one-byte header is x's encoding.
 Payload echo(const Payload& args) {
@@ -64,6 +67,42 @@ std::tuple<std::string, long, std::string, long> info() {
   return {u.nodename, static_cast<long>(::getpid()), u.machine, ru.ru_maxrss * 1024L};
 }
 
+// What every agent serves, and what its forks serve too.
+int serve_agent(ChildEnv& env, const AgentSetup& setup) {
+  std::mutex children_mu;
+  std::vector<Context> children;  // hops' ssh processes and forks: this process's children
+  auto keep = [&](Context c) {
+    std::tuple<long, std::string> r{static_cast<long>(c.id()), c.name()};
+    std::lock_guard lk(children_mu);
+    children.push_back(std::move(c));
+    return r;
+  };
+  // Harmless to anyone who can reach this context, and both answer on the
+  // thread that receives the call (the broker): no hand-off to a worker and
+  // back, which would cost more than they do.
+  env.expose_on_receiver("spindle.echo", Allow::kAnyone, echo);
+  env.expose_on_receiver("spindle.info", Allow::kAnyone, [](const Payload&) {
+    return detail::encode_value<std::tuple<std::string, long, std::string, long>>(info());
+  });
+  // These start processes: only the contexts above this one may ask (the
+  // root asks a hop to start the next hop).
+  Router& router = env.router();
+  env.expose(kSsh, [&](std::string host, std::vector<std::string> words) {
+    SshOptions o = decode_hop_options(words);
+    o.agent = own_executable();
+    return keep(ssh_child(router, host, o));
+  }, Allow::kUpstream);
+  env.expose(kFork, [&](std::string name) {
+    ChildOptions co;
+    co.name = std::move(name);
+    return keep(fork_child(router, [&setup](ChildEnv& child) { return serve_agent(child, setup); }, co));
+  }, Allow::kUpstream);
+  if (setup) setup(env);
+  // Until SHUTDOWN, or the session is gone; then the children go too (the
+  // broker's end tells them and reaps them).
+  return env.serve(Pool{.threads = 4});
+}
+
 }  // namespace
 
 int run_agent(int argc, char** argv, AgentSetup setup) {
@@ -87,33 +126,9 @@ int run_agent(int argc, char** argv, AgentSetup setup) {
     std::fprintf(stderr, "spindle-agent: %s\n", e.what());
     return 1;
   }
-  return detail::run_child(read_fd, write_fd, opts, [&setup](ChildEnv& env) {
-    std::mutex hops_mu;
-    std::vector<Context> hops;  // their ssh processes are this process's children
-    // Harmless to anyone who can reach this context; spindle.ssh starts
-    // processes, so only the contexts above this one may ask for it (the
-    // root asks a hop to start the next hop).
-    // Both answer on the thread that receives the call (the broker): no
-    // hand-off to a worker and back, which would cost more than they do.
-    env.expose_on_receiver("spindle.echo", Allow::kAnyone, echo);
-    env.expose_on_receiver("spindle.info", Allow::kAnyone, [](const Payload&) {
-      return detail::encode_value<std::tuple<std::string, long, std::string, long>>(info());
-    });
-    Router& router = env.router();
-    env.expose(kSsh, [&](std::string host, std::vector<std::string> words) {
-      SshOptions o = decode_hop_options(words);
-      o.agent = own_executable();
-      Context hop = ssh_child(router, host, o);
-      std::tuple<long, std::string> r{static_cast<long>(hop.id()), hop.name()};
-      std::lock_guard lk(hops_mu);
-      hops.push_back(std::move(hop));
-      return r;
-    }, Allow::kUpstream);
-    if (setup) setup(env);
-    // Until SHUTDOWN, or the session is gone; then the hops go too (the
-    // broker's end tells its children and reaps their ssh processes).
-    return env.serve(Pool{.threads = 4});
-  }, /*close_when_drained=*/true);
+  return detail::run_child(
+      read_fd, write_fd, opts, [&setup](ChildEnv& env) { return serve_agent(env, setup); },
+      /*close_when_drained=*/true);
 }
 
 }  // namespace spindle

@@ -334,6 +334,21 @@ TEST_F(Ssh, TwoHops) {
       << "this process should run one ssh only (the first hop's)";
 }
 
+// The agent forks a child of its own on its host: a context routed through
+// it, whose process is the agent's child and serves the same names.
+TEST_F(Ssh, TheAgentForksALocalChildThatServesTheSameNames) {
+  spindle::Child agent = start(options());
+  auto [id, name] = agent.with_timeout(10s).call<std::tuple<long, std::string>>("spindle.fork",
+                                                                               std::string("forked"));
+  EXPECT_EQ(name, "forked");
+  spindle::Context forked = rt.context(static_cast<std::uint32_t>(id), name).with_timeout(10s);
+  EXPECT_EQ(forked.call(echo, std::string("from a fork")), "from a fork");
+  long agent_pid = std::get<1>(agent.with_timeout(10s).call(info));
+  long forked_pid = std::get<1>(forked.call(info));
+  EXPECT_NE(forked_pid, agent_pid);
+  EXPECT_EQ(parent_and_comm(forked_pid).first, agent_pid);
+}
+
 TEST_F(Ssh, Echoes64MiBWithBoundedMemoryOnBothEnds) {
   constexpr std::size_t kSize = 64u << 20;
   std::string payload(kSize, '\0');
