@@ -242,7 +242,11 @@ class Sshd {
     o.port = port_;
     o.identity_file = identity_file();
     o.ssh_args = {"-F", "/dev/null", "-o", "UserKnownHostsFile=" + known_hosts(),
-                  "-o", "StrictHostKeyChecking=yes", "-o", "LogLevel=ERROR"};
+                  "-o", "StrictHostKeyChecking=yes", "-o", "LogLevel=ERROR",
+                  // A sanitized agent runs with the suite's sanitizer options
+                  // (TSan's die_after_fork=0 lets it fork; sshd passes them
+                  // on: AcceptEnv below).
+                  "-o", "SendEnv=ASAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS"};
     o.remote_dir = dir_ + "/cache";
     o.agent = default_agent();
     return o;
@@ -318,6 +322,12 @@ class Sshd {
                    "\nKbdInteractiveAuthentication no"
                    "\nX11Forwarding no"
                    "\nPrintMotd no"
+                   // The account's ~/.bashrc stays out of the sessions: bash
+                   // reads it for an ssh command only at SHLVL < 2. The tests
+                   // and bench_ssh then measure Spindle and ssh, not the
+                   // developer's dotfiles (here a pyenv init, ~1 s a session).
+                   "\nSetEnv SHLVL=1"
+                   "\nAcceptEnv ASAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS"
                    "\nLogLevel VERBOSE\n");
     // known_hosts: "[127.0.0.1]:PORT <type> <key>" (the .pub's comment dropped).
     std::istringstream pub(read_file(dir_ + "/host_key.pub"));

@@ -30,6 +30,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <optional>
 #include <regex>
 #include <string>
@@ -293,8 +294,17 @@ TEST_F(Ssh, KillingSshFailsThePendingCallAtOnce) {
   spindle::Child box = start(o);
   auto ctx = box.with_timeout(30s);
   ASSERT_EQ(ctx.call(sleep_ms, 1L), 1);  // the agent serves
+  // The agent logs the line below as the call starts: then it is running.
+  std::promise<void> running;
+  std::once_flag once;
+  spindle::set_log_handler([&](const spindle::LogRecord& r) {
+    if (std::string_view(r.text).find("test.sleep_ms: sleeping 10000 ms") != std::string_view::npos)
+      std::call_once(once, [&] { running.set_value(); });
+  });
   std::future<long> pending = ctx.call_async(sleep_ms, 10000L);
-  std::this_thread::sleep_for(200ms);  // the call is on its way or running there
+  const bool started = running.get_future().wait_for(10s) == std::future_status::ready;
+  spindle::reset_log_handler();
+  ASSERT_TRUE(started) << "the agent never said the call was running";
   ASSERT_GT(box.pid(), 0);
   auto t0 = Clock::now();
   ASSERT_EQ(::kill(box.pid(), SIGKILL), 0);

@@ -86,6 +86,10 @@ class Sshd:
                 "PasswordAuthentication no",
                 "KbdInteractiveAuthentication no",
                 "LogLevel ERROR",
+                # Keeps the account's ~/.bashrc out of the sessions (bash
+                # reads it for ssh commands only at SHLVL < 2), as the C++
+                # fixture does.
+                "SetEnv SHLVL=1",
                 "",
             ]))
             with open(self.log_path, "ab") as log:

@@ -27,6 +27,10 @@ inline constexpr spindle::method<bool(std::string)> stderr_line{"test.stderr_lin
 int main(int argc, char** argv) {
   return spindle::run_agent(argc, argv, [](spindle::ChildEnv& env) {
     env.expose(sleep_ms, [](long ms) {
+      // Says so first: a test that kills the session mid-call waits for
+      // this line (a log record of the context) instead of guessing.
+      std::fprintf(stderr, "test.sleep_ms: sleeping %ld ms\n", ms);
+      std::fflush(stderr);
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
       return ms;
     });
