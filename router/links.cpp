@@ -333,7 +333,11 @@ void Router::on_shutdown_deadline() {
 }
 
 void Router::maybe_drained() {
-  if (!shutting_down_ || !links_.empty() || hold_unknown_) return;
+  // Held messages wait for main's ready() (or the deadline). With nothing
+  // held, there is nothing to wait for: no link is left to bring one, so a
+  // client whose router refused it (a taken name) ends at once, not after
+  // the whole grace.
+  if (!shutting_down_ || !links_.empty() || (hold_unknown_ && !held_unknown_.empty())) return;
   // Nothing can answer a call any more: its deadline timer must not keep a
   // hosted loop (the application's io_context) running for up to 30 s.
   call_timer_.cancel();

@@ -15,6 +15,7 @@
 
 #include "tests/named_worker.h"
 #include "tests/router_fixture.h"
+#include "tests/router_test_util.h"
 
 namespace spindle {
 namespace test_names {
@@ -54,6 +55,19 @@ TEST_F(Names, NamesAreUniqueAndValidated) {
   Connection c = Connection::open(socket(), {.name = "first"});
   EXPECT_THROW(c.register_name("second"), CallError);
   EXPECT_EQ(c.find("first").size(), 1u);
+}
+
+// A named client holds what others send it until ready(). With nothing held
+// and no link left, its close has nothing to wait for: it must not sit out
+// the shutdown grace and force-close. Before the fix it did, so each refused
+// open above took the whole grace (5 s).
+TEST_F(Names, ANamedClientThatNeverSaidReadyClosesWithoutWaitingForTheGrace) {
+  ScopedLogCapture capture;
+  Connection c = Connection::open(socket(), {.name = "never-ready"});
+  c.close();
+  std::string line;
+  spdlog::level::level_enum level;
+  EXPECT_FALSE(capture.sink().wait_for_line("grace period over", 0ms, &line, &level)) << line;
 }
 
 TEST_F(Names, ANameGoesWithItsClient) {
