@@ -110,12 +110,18 @@ std::size_t head_for(std::size_t inner) {
   return (kExt32Header + kPadLength + inner + page - 1) / page * page;
 }
 
+// The whole mapping's size, checked before anything is mapped: an 8 GiB
+// request used to create (and fault in) its memfd first, taking 30 s to fail.
+std::size_t checked_total(std::size_t head, std::size_t n) {
+  if (n > UINT32_MAX || head + n - kExt32Header > UINT32_MAX)
+    throw py::value_error("spindle.Buffer: at most 4 GiB less a page travels as one msgpack value");
+  return head + n;
+}
+
 }  // namespace
 
 FabricBuffer::FabricBuffer(std::size_t n, std::string inner)
-    : head_(head_for(inner.size())), n_(n), inner_(std::move(inner)), buf_(head_ + n_) {
-  if (head_ + n_ - kExt32Header > UINT32_MAX)
-    throw py::value_error("spindle.Buffer: at most 4 GiB less a page travels as one msgpack value");
+    : head_(head_for(inner.size())), n_(n), inner_(std::move(inner)), buf_(checked_total(head_, n_)) {
   std::uint8_t* h = buf_.bytes().data();
   const std::size_t pad = head_ - kExt32Header - kPadLength - inner_.size();
   h[0] = 0xc9;  // ext 32
