@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -174,6 +175,33 @@ TEST_F(Hardening, MemfdBodyToAnUnknownHandleIsNeverMapped) {
   std::printf("router VmRSS %ld -> %ld KiB after 8 sparse 100 MiB memfds\n", before, after);
   EXPECT_LT(after - before, 32 * 1024) << "memfd bodies to unknown handles were faulted in";
   expect_served("memfds to unknown handles");
+}
+
+// §1: a memfd body for a handler that exists (CALL_SERVICE, whose envelope
+// names the service inside the body) is mapped without MAP_POPULATE when a
+// client sent it: only the pages a reader touches are faulted in, and on the
+// thread that reads them. Before, every page of the body was faulted in on
+// the broker thread first: a sparse 100 MiB body cost the router 100 MiB of
+// page cache and tens of milliseconds of its loop, just to read the service
+// name on its first page. The memfd's allocated blocks show it (the sender
+// keeps its fd, so it can look).
+TEST_F(Hardening, MemfdBodyToAServiceCallIsNotFaultedInWhole) {
+  start({"--peer-memory-limit", "256M"});  // each body fits the allowance
+  RawPeer p = raw_client(kFlagFdPassing);
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    UniqueFd body = sparse_memfd(100u << 20);
+    int raw = body.get();
+    ASSERT_TRUE(send_with_fds(p.fd, memfd_frame(0, id_, kHandleCallService, 60 + i, kEncRaw),
+                              std::span<const int>(&raw, 1)));
+    Message reply;
+    ASSERT_TRUE(p.read_frame_for(id_, 60 + i, reply, 20s));  // a malformed envelope: an error
+    struct stat st {};
+    ASSERT_EQ(::fstat(raw, &st), 0);
+    const long long allocated = static_cast<long long>(st.st_blocks) * 512;
+    EXPECT_LT(allocated, 1ll << 20) << "the router faulted in " << allocated << " bytes of a sparse "
+                                    << "100 MiB service call's body";
+  }
+  expect_served("sparse memfds to the service handle");
 }
 
 // §1: a sparse memfd forwarded to a peer that cannot take fds (a Mitogen
