@@ -14,12 +14,18 @@
 //           that answers on the broker thread, with no pool.
 //           Also: pool wake-ups per message, voluntary switches per message.
 //   fds     fds opened per worker when a 64-worker pool starts.
+//   fork    fork() from this process while its 4-worker pool is busy (2
+//           threads keep 8 calls each in flight to a handler that
+//           allocates), against fork() of the same process with the pool
+//           idle: the pool's fork guard (services/fork.h) may add at most
+//           its 10 ms quiesce limit (issue #11 §4). The child _exit()s.
 //
 // Usage: bench_services [--quick] [--json PATH]. Rows (bench/report.h; names
 // in bench/README.md) go to the --json PATH. Exit status non-zero only on a wrong
 // reply or a failed check, never on a figure.
 #include <dirent.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -38,6 +44,7 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "bench/report.h"
@@ -45,6 +52,7 @@
 #include "router/router.h"
 #include "spindle/context.h"
 #include "services/client.h"
+#include "services/fork.h"
 #include "services/host.h"
 #include "services/lanes.h"
 #include "services/pool.h"
@@ -334,6 +342,76 @@ void section_fds() {
                "fds/worker");
 }
 
+// Milliseconds each of `n` fork()s took in the parent; the child exits at once.
+std::vector<double> time_forks(int n) {
+  std::vector<double> ms;
+  for (int i = 0; i < n; ++i) {
+    const auto t0 = Clock::now();
+    const pid_t pid = ::fork();
+    if (pid == 0) ::_exit(0);
+    const auto t1 = Clock::now();
+    if (pid < 0) {
+      check(false, "fork failed");
+      break;
+    }
+    int status = 0;
+    check(::waitpid(pid, &status, 0) == pid && WIFEXITED(status), "the forked child exited");
+    ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    std::this_thread::sleep_for(2ms);  // let the callers refill the pool between forks
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms;
+}
+
+void section_fork(int forks) {
+  Broker broker;
+  Router router(broker, RouterOptions{.name = "bench"});
+  services::PoolOptions po;
+  po.threads = 4;
+  po.name = "bench";
+  services::Pool pool(po);
+  services::ServiceHost host(router, pool);
+  auto svc = std::make_unique<services::Service>("churn");
+  svc->expose("work", services::Access::any(), [](services::Request& r) {
+    std::vector<std::string> junk;  // allocator traffic while the process forks
+    for (int i = 0; i < 50; ++i) junk.push_back(std::string(100 + i, 'x'));
+    return r.args();
+  });
+  host.add(std::move(svc));
+  Context self(router, router.id(), "self");
+  const std::vector<double> idle = time_forks(forks);
+  std::atomic<bool> go{true};
+  std::atomic<long> calls{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 2; ++t)
+    callers.emplace_back([&] {
+      while (go.load()) {
+        std::vector<std::future<Message>> fs;
+        for (int i = 0; i < 8; ++i)
+          fs.push_back(services::call_async(self, "churn", "work", Payload::copy_of("w")));
+        for (auto& f : fs) check(f.get().text() == "w", "a churn call came back wrong");
+        calls += 8;
+      }
+    });
+  while (calls.load() < 1000) std::this_thread::sleep_for(1ms);
+  const unsigned long late_before = services::fork_guard::forks_not_quiesced();
+  const long calls_before = calls.load();
+  const std::vector<double> busy = time_forks(forks);
+  const long calls_during = calls.load() - calls_before;
+  const unsigned long late = services::fork_guard::forks_not_quiesced() - late_before;
+  go = false;
+  for (auto& t : callers) t.join();
+  auto median = [](const std::vector<double>& v) { return v.empty() ? 0.0 : v[v.size() / 2]; };
+  auto worst = [](const std::vector<double>& v) { return v.empty() ? 0.0 : v.back(); };
+  std::printf("\n== fork: %d fork()s while 2 callers keep a 4-worker pool busy (%ld calls meanwhile) ==\n"
+              "busy: median %.3f ms, max %.3f ms; idle pool (the fork itself): median %.3f ms, max %.3f ms; "
+              "target: busy max <= idle max + 10 ms; %lu fork(s) went ahead at the 10 ms quiesce limit\n",
+              forks, calls_during, median(busy), worst(busy), median(idle), worst(idle), late);
+  g_report.add("pool_busy_fork_ms", median(busy), "ms", median(idle));
+  g_report.add("pool_busy_fork_max_ms", worst(busy), "ms", worst(idle));
+  g_report.add("pool_busy_forks_at_quiesce_limit", static_cast<double>(late), "forks");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -357,6 +435,7 @@ int main(int argc, char** argv) {
   section_wake(quick ? 2000 : 200000);
   section_calls(quick ? 300 : 20000);
   section_fds();
+  section_fork(quick ? 5 : 100);
   try {
     g_report.finish();
   } catch (const std::exception& e) {
