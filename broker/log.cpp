@@ -6,6 +6,7 @@
 #include "broker/log.h"
 #include "broker/log_sink.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -82,10 +83,20 @@ spdlog::logger* keep(spdlog::logger* l) {
 std::uint32_t g_context_id = 0;
 std::string g_context_name;
 
+// The context's name goes into every record of this process. It is the
+// application's, but not always checked yet (a client's name is validated by
+// the router it asks): one with a control character is escaped, so that one
+// record stays one line.
+std::string log_label(const std::string& name) {
+  const bool plain = std::all_of(name.begin(), name.end(),
+                                 [](unsigned char c) { return c >= 0x20 && c != 0x7f; });
+  return plain ? name : fmt::format("{:?}", name);
+}
+
 spdlog::logger* make_logger(std::vector<spdlog::sink_ptr> sinks, spdlog::level::level_enum level) {
   if (sinks.empty()) sinks.push_back(stderr_sink());
   std::string name = "ctx=" + std::to_string(g_context_id);
-  if (!g_context_name.empty()) name += "(" + g_context_name + ")";
+  if (!g_context_name.empty()) name += "(" + log_label(g_context_name) + ")";
   auto* l = new spdlog::logger(name, sinks.begin(), sinks.end());
   l->set_formatter(make_log_formatter());
   l->set_level(level);

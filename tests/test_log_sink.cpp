@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "broker/log.h"
+#include "tests/router_test_util.h"
 
 namespace spindle {
 namespace test_log_sink {
@@ -67,6 +68,23 @@ int wait_bounded(pid_t pid, std::chrono::milliseconds limit) {
   int status = wait_bounded(pid, 5s);
   if (status == -1) ::_exit(1);
   ::_exit(WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 2);
+}
+
+// A context's name is in every record of its process. A client's name is
+// checked only by the router it asks, so a refused one ("bad\nname") was
+// already in the label, and each record broke into two lines.
+TEST(LogLabel, AContextNameWithAControlCharacterIsEscaped) {
+  testutil::ScopedLogCapture capture;
+  set_log_context(7, "bad\nname\x1b[31m");
+  log().warn("label probe");
+  set_log_context(0, {});
+  std::string line;
+  spdlog::level::level_enum level;
+  ASSERT_TRUE(capture.sink().wait_for_line("label probe", 5s, &line, &level));
+  while (!line.empty() && line.back() == '\n') line.pop_back();
+  EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+  EXPECT_EQ(line.find('\x1b'), std::string::npos) << line;
+  EXPECT_NE(line.find("ctx=7(\"bad\\nname\\x1b[31m\")"), std::string::npos) << line;
 }
 
 TEST(LogSinkFork, AChildForkedAsTheWriterStartsIsNotLeftHoldingALock) {
