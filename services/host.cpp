@@ -41,13 +41,23 @@ ServiceHost::ServiceHost(Router& router, Pool& pool, std::vector<std::unique_ptr
   handle_ = router_.add_handler(std::move(handler), anywhere, kHandleCallService);
   if (handle_ == 0) throw Error("CALL_SERVICE (110) already has a handler on this router");
   // Services outlive the workers: on_shutdown runs once they have all left.
+  // It is user code, so it runs outside mu_: it may call back into the host
+  // (find(), names(), add()), which would deadlock on a mutex held here.
+  // Hosted services are never removed, so the pointers stay valid.
   pool_.on_stopped([this] {
-    std::lock_guard lk(mu_);
-    for (auto& [name, e] : services_) {
+    std::vector<std::pair<std::string, Service*>> hosted;
+    {
+      std::lock_guard lk(mu_);
+      for (auto& [name, e] : services_) hosted.emplace_back(name, e.service.get());
+    }
+    for (auto& [name, svc] : hosted) {
       try {
-        e.service->on_shutdown();
+        svc->on_shutdown();
       } catch (const std::exception& ex) {
         log().error("service {}: on_shutdown threw: {}", name, ex.what());
+      } catch (...) {
+        // Not left to the pool's catch: the other services' on_shutdown still runs.
+        log().error("service {}: on_shutdown threw a non-std exception", name);
       }
     }
   });
@@ -94,7 +104,10 @@ HostStats ServiceHost::stats() const {
 
 void ServiceHost::reject(const Message& m, std::string_view why) {
   ++rejected_;
-  log().debug("service call from context {} rejected: {}", m.header.src_id, why);
+  // `why` carries the caller's own bytes (the service or method name it
+  // asked for): escaped ({:?}), so one record stays one line whatever they
+  // hold. The dead reply carries them as they came: they are the caller's.
+  log().debug("service call from context {} rejected: {:?}", m.header.src_id, why);
   send_dead_reply(router_, m, why);
 }
 

@@ -143,7 +143,8 @@ void Pool::run_one(LaneSet::Taken& t) {
     if (late) job->reject(std::move(t.msg), reason::kStopDeadline);
     else job->run(std::move(t.msg));
   } catch (const std::exception& e) {
-    log().error("pool {}: lane {}: a job threw: {}", opts_.name, t.lane->name(), e.what());
+    log().error("pool {}: lane {}: a job threw: {:?}", opts_.name, t.lane->name(),
+                std::string_view(e.what()));
   } catch (...) {
     log().error("pool {}: lane {}: a job threw a non-std exception", opts_.name, t.lane->name());
   }

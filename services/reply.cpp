@@ -14,14 +14,15 @@ namespace spindle::services {
 
 void send_dead_reply(Router& router, const Message& request, std::string_view reason) {
   if (!Message::wants_dead_reply(request)) {
-    log().info("service call from context {} not answered (no reply_to): {}", request.header.src_id,
+    // The reason may carry the caller's bytes (a name it asked for): escaped.
+    log().info("service call from context {} not answered (no reply_to): {:?}", request.header.src_id,
                reason);
     return;
   }
   try {
     router.route(Message::dead_reply(request, reason));
   } catch (const std::exception& e) {
-    log().warn("cannot send dead reply to context {} ({}): {}", request.header.src_id, reason, e.what());
+    log().warn("cannot send dead reply to context {} ({:?}): {}", request.header.src_id, reason, e.what());
   }
 }
 

@@ -90,7 +90,8 @@ void Service::run(Request& req, const Exposed& m) {
     if (!req.deferred()) reply.send(std::move(result));
   } catch (...) {
     ThrownError t = current_thrown_error();
-    log().info("service {}: {} threw {}: {}", name_, req.method(), t.type, t.message);
+    // An exception's text often quotes the arguments it choked on: escaped.
+    log().info("service {}: {} threw {}: {:?}", name_, req.method(), t.type, t.message);
     reply.fail(t.type, t.message);
   }
 }
