@@ -37,12 +37,10 @@ void Router::allocate_for(Message&& m) {
     return send_dead(m.header, fmt::format("{}: {} ids allocated for stream {} are not announced yet",
                                            reason::kRefusedByPolicy, via->allocated.size(),
                                            via->stream->name()));
-  std::uint32_t next = next_id_.load();
-  if (next == std::numeric_limits<std::uint32_t>::max())
-    return send_dead(m.header, std::string(reason::kIdsExhausted));
-  next_id_.store(next + 1);
-  if (via) via->allocated.insert(next);
-  Message r = Message::reply_to(m, Payload::copy_of(std::to_string(next)), kEncMitogen);
+  auto next = take_id();
+  if (!next) return send_dead(m.header, std::string(reason::kIdsExhausted));
+  if (via) via->allocated.insert(*next);
+  Message r = Message::reply_to(m, Payload::copy_of(std::to_string(*next)), kEncMitogen);
   send_internal(std::move(r));
 }
 

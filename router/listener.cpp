@@ -325,7 +325,13 @@ void Listener::admit(int fd) {
       router_.id(), static_cast<std::uint32_t>(::getpid()), router_.options().max_message_size,
       [router, full_reason](const PeerInfo&) -> ServerHandshake::Assignment {
         if (!full_reason.empty()) return full_reason;
-        return router->allocate_id();
+        // Out of ids: the client is refused with the reason, not left
+        // waiting for a welcome that never comes.
+        try {
+          return router->allocate_id();
+        } catch (const Error& e) {
+          return std::string(e.what());
+        }
       });
   ClientLinkOptions o;
   o.trusted = cr.uid == ::geteuid();

@@ -147,12 +147,8 @@ bool Router::watch_if_routed(std::uint32_t context_id, std::function<void(const 
 
 std::uint32_t Router::allocate_id() {
   if (!parent_id()) {
-    std::uint32_t next = next_id_.load();
-    do {
-      if (next == std::numeric_limits<std::uint32_t>::max())
-        throw Error(std::string(reason::kIdsExhausted));
-    } while (!next_id_.compare_exchange_weak(next, next + 1));
-    return next;
+    if (auto id = take_id()) return *id;
+    throw Error(std::string(reason::kIdsExhausted));
   }
   if (broker_.on_broker_thread()) throw Error("allocate_id() would block the broker thread");
   Message reply = call(Message::make(0, kHandleAllocateId, {}, kEncMitogen),
@@ -160,6 +156,22 @@ std::uint32_t Router::allocate_id() {
   auto id = parse_context_id(reply.text());
   if (!id) throw Error("malformed ALLOCATE_ID reply: " + reply.text());
   return *id;
+}
+
+// One counter for every caller (allocate_id() on any thread, ALLOCATE_ID on
+// the broker's): a compare-and-swap, so two callers never get the same id.
+std::optional<std::uint32_t> Router::take_id() {
+  std::uint32_t next = next_id_.load();
+  do {
+    if (next == std::numeric_limits<std::uint32_t>::max()) return std::nullopt;
+  } while (!next_id_.compare_exchange_weak(next, next + 1));
+  return next;
+}
+
+void Router::skip_ids_for_testing(std::uint32_t next) {
+  std::uint32_t cur = next_id_.load();
+  while (cur < next && !next_id_.compare_exchange_weak(cur, next)) {
+  }
 }
 
 RouterStats Router::stats() {

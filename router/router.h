@@ -167,6 +167,10 @@ class Router : public StreamListener, public ShutdownParticipant {
   // Blocks for a broker round trip when called on another thread.
   bool watch_if_routed(std::uint32_t context_id, std::function<void(const std::string&)> fn);
   std::uint32_t allocate_id();
+  // Tests only (router/ is not the public API): the root's next id is at
+  // least `next`, so a test can reach the end of the id space. It only ever
+  // raises the counter: no id handed out before can be handed out again.
+  void skip_ids_for_testing(std::uint32_t next);
   RouterStats stats();
   // While held, a message for a handle nobody registered yet waits (up to
   // high_water_mark bytes in all) instead of getting "invalid handle": a
@@ -279,6 +283,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   void complete_call(Message&& m);
   bool handle_control(Link& in, Message& m);  // control_handles.cpp
   void allocate_for(Message&& m);
+  // Root: the next id, or nothing once they are all handed out (never wraps).
+  std::optional<std::uint32_t> take_id();
   bool accept_add_route(Link& in, std::uint32_t target);
   void forward_log(Link& in, const Message& m);
   Header dead_header(const Header& about) const;

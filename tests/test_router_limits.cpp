@@ -1,0 +1,117 @@
+// Issue #11: the router's limits that a hostile client runs into, each with
+// real sockets (an in-process root router with a Listener, or a real
+// spindle-router process):
+//  - context ids never wrap: running out is a clear error, and no id of a
+//    living context is handed out again (§3, PROTOCOL §7.3.2);
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <functional>
+#include <future>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "broker/errors.h"
+#include "router/control.h"
+#include "router/reasons.h"
+#include "router/router.h"
+#include "router/unix_address.h"
+#include "services/reasons.h"
+#include "services/select.h"
+#include "tests/listener_test_util.h"
+#include "tests/process_util.h"
+#include "tests/raw_peer.h"
+#include "tests/router_fixture.h"
+#include "tests/router_probe.h"
+#include "tests/router_test_util.h"
+
+namespace spindle {
+namespace test_router_limits {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+constexpr std::uint32_t kLastId = std::numeric_limits<std::uint32_t>::max();
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// ALLOCATE_ID from a raw client: the id granted, or the dead reply's text.
+struct Allocation {
+  std::uint32_t id = 0;
+  std::string refused;  // empty when granted
+};
+Allocation allocate(RawPeer& p, std::uint32_t self, std::uint32_t reply_to) {
+  p.send_frame(frame(0, self, self, kHandleAllocateId, reply_to, kEncMitogen), "");
+  Message r;
+  if (!p.read_frame_for(self, reply_to, r, 20s)) return {0, "(no answer)"};
+  if (r.is_dead()) return {0, r.text()};
+  return {static_cast<std::uint32_t>(std::stoul(r.text())), {}};
+}
+
+// §3: ids are handed out by a counter that only grows. At its end the root
+// says so, to every kind of asker (ALLOCATE_ID, a Spindle client, a Mitogen
+// client, allocate_id() in process), and keeps saying so: it never wraps
+// round to 0 (itself) or to 1, which a living client holds here.
+TEST(RouterLimits, ContextIdsRunOutWithAClearErrorAndAreNeverReused) {
+  InProcessRouter r;
+  Router& router = r.router();
+  // A client from the start of the id space, alive throughout.
+  std::promise<std::string> first_got;
+  auto first = r.client([&](Router& cr) {
+    cr.add_handler([&](Message&& m) { first_got.set_value(m.text()); }, {}, 4242);
+  });
+  ASSERT_EQ(first->id(), 1u);
+
+  router.skip_ids_for_testing(kLastId - 2);
+  RawPeer b = RawPeer::connect_to(r.address());
+  const std::uint32_t b_id = b.handshake();
+  EXPECT_EQ(b_id, kLastId - 2);
+  Allocation last = allocate(b, b_id, 70);
+  ASSERT_TRUE(last.refused.empty()) << last.refused;
+  EXPECT_EQ(last.id, kLastId - 1) << "the last id the root hands out";
+
+  // The end: each asker, several times over, is told why.
+  for (std::uint32_t i = 0; i < 3; ++i) {
+    Allocation more = allocate(b, b_id, 71 + i);
+    EXPECT_EQ(more.id, 0u) << "ALLOCATE_ID past the end granted " << more.id;
+    EXPECT_EQ(more.refused, reason::kIdsExhausted);
+    std::string why = error_of([&] { (void)router.allocate_id(); });
+    EXPECT_NE(why.find(reason::kIdsExhausted), std::string::npos) << why;
+    // A Spindle client is refused with the reason (before the fix the
+    // exception escaped the handshake and the client hung until its timeout).
+    why = error_of([&] { auto c = r.client(); });
+    EXPECT_NE(why.find(reason::kIdsExhausted), std::string::npos) << why;
+    // A Mitogen client cannot parse a refusal: it is closed.
+    RawPeer m = RawPeer::connect_to(r.address());
+    why = error_of([&] { (void)m.mitogen_handshake(static_cast<std::uint32_t>(::getpid())); });
+    EXPECT_NE(why, "no error") << "a Mitogen client was given an id past the end";
+  }
+  // A client that leaves does not give its id back.
+  b.goodbye();
+  std::string why = error_of([&] { auto c = r.client(); });
+  EXPECT_NE(why.find(reason::kIdsExhausted), std::string::npos) << why;
+
+  // The living client still owns its id: its traffic reaches it.
+  router.send(Message::make(first->id(), 4242, Payload::copy_of("still yours")));
+  auto got = first_got.get_future();
+  ASSERT_EQ(got.wait_for(20s), std::future_status::ready);
+  EXPECT_EQ(got.get(), "still yours");
+}
+
+}  // namespace test_router_limits
+}  // namespace spindle
