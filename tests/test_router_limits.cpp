@@ -3,6 +3,7 @@
 // spindle-router process):
 //  - context ids never wrap: running out is a clear error, and no id of a
 //    living context is handed out again (§3, PROTOCOL §7.3.2);
+//  - connect() refuses a socket whose directory another user owns (§3);
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -111,6 +112,34 @@ TEST(RouterLimits, ContextIdsRunOutWithAClearErrorAndAreNeverReused) {
   auto got = first_got.get_future();
   ASSERT_EQ(got.wait_for(20s), std::future_status::ready);
   EXPECT_EQ(got.get(), "still yours");
+}
+
+// §3: a client refuses a socket whose directory belongs to another user (the
+// /tmp/spindle-<uid> fallback squatted): it says so, and a directory of its
+// own (or root's) is fine.
+TEST(RouterLimits, ConnectRefusesASocketInADirectoryAnotherUserOwns) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a directory to another uid";
+  constexpr uid_t kOther = 65534;
+  TempDir dir;
+  const std::string theirs = dir.path() + "/theirs";
+  ASSERT_EQ(::mkdir(theirs.c_str(), 0700), 0);
+  auto addr = UnixAddress::parse(theirs + "/router.sock");
+  int l = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un sa{};
+  socklen_t len = addr.to_sockaddr(sa);
+  ASSERT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&sa), len), 0) << errno_text(errno);
+  ASSERT_EQ(::listen(l, 8), 0);
+  ASSERT_EQ(::chown(theirs.c_str(), kOther, kOther), 0) << errno_text(errno);
+  std::string why = error_of([&] { ::close(connect_unix(addr)); });
+  EXPECT_NE(why.find(fmt::format("belongs to uid {}", kOther)), std::string::npos) << why;
+  EXPECT_NE(why.find("refusing " + addr.name), std::string::npos) << why;
+  // spindle::connect() says the same.
+  why = error_of([&] { auto c = connect(addr.name); });
+  EXPECT_NE(why.find(fmt::format("belongs to uid {}", kOther)), std::string::npos) << why;
+  // Root's directory (ours here) is fine: the listening socket answers.
+  ASSERT_EQ(::chown(theirs.c_str(), 0, 0), 0) << errno_text(errno);
+  EXPECT_EQ(error_of([&] { ::close(connect_unix(addr)); }), "no error");
+  ::close(l);
 }
 
 }  // namespace test_router_limits
