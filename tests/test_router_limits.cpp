@@ -4,6 +4,8 @@
 //  - context ids never wrap: running out is a clear error, and no id of a
 //    living context is handed out again (§3, PROTOCOL §7.3.2);
 //  - connect() refuses a socket whose directory another user owns (§3);
+//  - a Select's receiver queue is bounded; the excess is answered with a
+//    dead reply that says why (§1);
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -140,6 +142,61 @@ TEST(RouterLimits, ConnectRefusesASocketInADirectoryAnotherUserOwns) {
   ASSERT_EQ(::chown(theirs.c_str(), 0, 0), 0) << errno_text(errno);
   EXPECT_EQ(error_of([&] { ::close(connect_unix(addr)); }), "no error");
   ::close(l);
+}
+
+// §1: a Select whose receiver takes nothing holds at most its lane's bound
+// (services/lanes.h: kDefaultLaneMaxMessages); past it every message is
+// refused with a dead reply that names the bound, and nothing more is held.
+// Once the application takes what waited, the receiver accepts again.
+TEST(RouterLimits, ASelectReceiverThatTakesNothingIsBounded) {
+  Broker broker;
+  Router router(broker, root_opts());
+  services::Select sel;
+  services::Receiver rx(router, sel);
+  RawPeer peer;
+  const std::uint32_t n = router.allocate_id();
+  ASSERT_TRUE(attach_raw(router, peer, n));
+  ASSERT_EQ(peer.handshake(), n);
+
+  constexpr std::uint32_t kBound = static_cast<std::uint32_t>(services::kDefaultLaneMaxMessages);
+  constexpr std::uint32_t kExcess = 500;
+  // reply_to i + 1 for message i: the dead replies say which were refused.
+  std::string flood;
+  for (std::uint32_t i = 0; i < kBound + kExcess; ++i)
+    flood += frame_bytes(frame(0, n, n, rx.handle(), i + 1), fmt::format("{}", i));
+  peer.write_all(flood);
+  std::set<std::uint32_t> refused;
+  for (std::uint32_t i = 0; i < kExcess; ++i) {
+    Message d;
+    ASSERT_TRUE(peer.read_frame(d, 30s)) << "only " << refused.size() << " refusals came";
+    ASSERT_TRUE(d.is_dead()) << d.text();
+    EXPECT_NE(d.text().find(services::reason::kQueueFull), std::string::npos) << d.text();
+    EXPECT_NE(d.text().find(fmt::format("holds {} messages at most", kBound)), std::string::npos)
+        << d.text();
+    refused.insert(d.header.handle);
+  }
+  // The last kExcess were refused, and nothing else was.
+  EXPECT_EQ(refused.size(), kExcess);
+  EXPECT_EQ(*refused.begin(), kBound + 1);
+  EXPECT_EQ(*refused.rbegin(), kBound + kExcess);
+  services::LaneStats st = sel.stats();
+  EXPECT_EQ(st.queued, kBound);
+  EXPECT_EQ(st.refused_full, kExcess);
+  // What was held is the first kBound messages, in order.
+  for (std::uint32_t i = 0; i < kBound; ++i) {
+    auto ev = sel.get(0ms);
+    ASSERT_TRUE(ev.has_value()) << "only " << i << " messages were held";
+    ASSERT_EQ(ev->msg.header.reply_to, i + 1);
+  }
+  EXPECT_FALSE(sel.get(0ms).has_value());
+  // Taken: room again.
+  peer.send_frame(frame(0, n, n, rx.handle(), 0), "after");
+  auto ev = sel.get(20s);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->msg.text(), "after");
+  Message stray;
+  EXPECT_FALSE(peer.read_frame(stray, 200ms)) << "unexpected: " << stray.text();
+  EXPECT_TRUE(peer.goodbye());
 }
 
 }  // namespace test_router_limits
