@@ -624,7 +624,14 @@ void Stream::enqueue_bytes(const Header& header, std::span<const std::uint8_t> b
 }
 
 void Stream::flush() {
-  if (write_armed_ || state_ == StreamState::kClosed || write_shut_) return;
+  if (write_armed_) {
+    // Waiting for the peer to take what is queued. The queue may have grown
+    // past the mark since the socket filled (control messages and dead
+    // replies are queued over it): that starts the stall timer too.
+    if (state_ != StreamState::kClosed && stalled()) arm_stall_timer();
+    return;
+  }
+  if (state_ == StreamState::kClosed || write_shut_) return;
   if (!tx_.empty() && !port_->gate.broker_may_write()) return;  // the writer's kick brings us back
   const int fd = writer().native_handle();
   while (!tx_.empty()) {

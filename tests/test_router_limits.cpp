@@ -6,6 +6,9 @@
 //  - connect() refuses a socket whose directory another user owns (§3);
 //  - a Select's receiver queue is bounded; the excess is answered with a
 //    dead reply that says why (§1);
+//  - control messages queued towards a client that does not read (DEL_ROUTEs
+//    that another client's churn causes) are charged to that client, and the
+//    client is dropped once they stay over its high-water mark (§1).
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -197,6 +200,118 @@ TEST(RouterLimits, ASelectReceiverThatTakesNothingIsBounded) {
   Message stray;
   EXPECT_FALSE(peer.read_frame(stray, 200ms)) << "unexpected: " << stray.text();
   EXPECT_TRUE(peer.goodbye());
+}
+
+// --- §1: control messages towards a non-reader, with a real spindle-router
+
+class RouterLimitsProcess : public RouterFixture {
+ protected:
+  // The stats line of client `id` ("" if it is not connected).
+  std::string client_line(std::uint32_t id) {
+    std::istringstream in(router_stats_text(socket()));
+    std::string line, want = fmt::format("client id={} ", id);
+    while (std::getline(in, line))
+      if (line.rfind(want, 0) == 0) return line;
+    return {};
+  }
+};
+
+// One round of churn by `b`: `count` ids allocated and announced, `c` sends
+// one frame to each (so it has talked to them), then `b` deletes them all:
+// the router queues one DEL_ROUTE per id towards `c`. Returns false (with a
+// gtest failure) if a step did not complete.
+bool churn_round(RawPeer& b, std::uint32_t b_id, RawPeer& c, std::uint32_t c_id,
+                 std::uint32_t count) {
+  std::string out;
+  for (std::uint32_t i = 0; i < count; ++i)
+    out += frame_bytes(frame(0, b_id, b_id, kHandleAllocateId, 1000 + i, kEncMitogen), "");
+  b.write_all(out);
+  std::vector<std::uint32_t> ids;
+  while (ids.size() < count) {
+    Message r;
+    if (!b.read_frame(r, 20s)) {
+      ADD_FAILURE() << "ALLOCATE_ID: " << ids.size() << " of " << count << " answered";
+      return false;
+    }
+    if (r.header.handle < 1000 || r.header.handle >= 1000 + count) continue;
+    if (r.is_dead()) {
+      ADD_FAILURE() << "ALLOCATE_ID refused: " << r.text();
+      return false;
+    }
+    ids.push_back(static_cast<std::uint32_t>(std::stoul(r.text())));
+  }
+  out.clear();
+  for (std::uint32_t x : ids)
+    out += frame_bytes(frame(0, b_id, b_id, kHandleAddRoute, 0, kEncMitogen), std::to_string(x));
+  b.write_all(out);
+  // c talks to each; b's reading them proves the router routed them (and
+  // noted that c talked to them).
+  out.clear();
+  for (std::uint32_t x : ids) out += frame_bytes(frame(x, c_id, c_id, 4321, 0), "hi");
+  c.write_all(out);
+  for (std::uint32_t got = 0; got < count;) {
+    Message m;
+    if (!b.read_frame(m, 20s)) {
+      ADD_FAILURE() << "b received " << got << " of " << count << " frames from c";
+      return false;
+    }
+    if (m.header.handle == 4321) ++got;
+  }
+  out.clear();
+  for (std::uint32_t x : ids)
+    out += frame_bytes(frame(0, b_id, b_id, kHandleDelRoute, 0, kEncMitogen), std::to_string(x));
+  out += frame_bytes(frame(0, b_id, b_id, 4999, 55), "");
+  b.write_all(out);
+  Message sync;
+  if (!b.read_frame_for(b_id, 55, sync, 20s)) {
+    ADD_FAILURE() << "no answer after the DEL_ROUTEs";
+    return false;
+  }
+  return true;
+}
+
+// §1: "the control messages that the peer caused". A client c talks to
+// contexts another client b keeps creating and deleting, and never reads:
+// the DEL_ROUTE notices queued for c are charged to c's account (not to b,
+// not to nobody), and once they stay over c's high-water mark untaken, c is
+// dropped after the stall timeout and the router holds nothing for it.
+TEST_F(RouterLimitsProcess, ControlMessagesQueuedForANonReaderAreChargedToItAndBounded) {
+  constexpr std::size_t kMark = 128 << 10;
+  start({"--high-water-mark", "128K", "--stall-timeout", "5s"});
+  RawPeer c = raw_client();
+  const std::uint32_t c_id = id_;
+  RawPeer b = raw_client();
+  const std::uint32_t b_id = id_;
+  // Enough DEL_ROUTEs (about 30 bytes each) to fill c's socket buffers (the
+  // router asks for 4 MiB; Linux doubles it) and then its queue past the mark.
+  constexpr std::uint32_t kPerRound = 1000;
+  std::size_t rounds = 0, queued = 0, held = 0;
+  std::string line;
+  while (rounds < 1000) {
+    ASSERT_TRUE(churn_round(b, b_id, c, c_id, kPerRound)) << router_->log();
+    if (++rounds % 10 != 0) continue;
+    line = client_line(c_id);
+    ASSERT_FALSE(line.empty()) << "c was dropped before its queue reached the mark\n" << router_->log();
+    queued = static_cast<std::size_t>(stats_field(line, " queued_bytes="));
+    held = static_cast<std::size_t>(stats_field(line, " memory_held="));
+    if (queued > 2 * kMark) break;
+  }
+  std::printf("after %zu rounds of %u DEL_ROUTEs: c has %zu bytes queued, %zu held\n%s\n", rounds,
+              kPerRound, queued, held, line.c_str());
+  ASSERT_GT(queued, 2 * kMark) << "c's queue never passed its mark";
+  // Charged to c: its account holds at least what is queued for it.
+  EXPECT_GE(held, queued) << line;
+  // Not to b, which reads everything.
+  std::string b_line = client_line(b_id);
+  EXPECT_LT(stats_field(b_line, " memory_held="), static_cast<long long>(queued)) << b_line;
+  // Bounded: c took nothing of a queue over its mark, so it is dropped, and
+  // what was queued for it is let go.
+  EXPECT_TRUE(logged("took nothing of the")) << router_->log();
+  EXPECT_TRUE(eventually([&] { return client_line(c_id).empty(); }, 30s)) << router_->log();
+  EXPECT_TRUE(eventually([&] {
+    return stats_field(router_stats_text(socket()), " memory_held=") < static_cast<long long>(queued);
+  }, 30s)) << router_stats_text(socket());
+  expect_served("DEL_ROUTEs queued for a non-reader");
 }
 
 }  // namespace test_router_limits
