@@ -156,6 +156,17 @@ struct OpenOnExit {
   ~OpenOnExit() { gate.open(); }
 };
 
+// Service "slow", method "wait": answers "ok" once the gate opens. One call
+// holds a one-worker pool, so later calls queue in its lane.
+void host_slow_service(services::ServiceHost& host, Gate& gate) {
+  auto s = std::make_unique<Service>("slow");
+  s->expose("wait", Access::any(), [&gate](Request&) {
+    gate.wait(60s);
+    return Payload::copy_of("ok");
+  });
+  host.add(std::move(s));
+}
+
 std::optional<ClientStats> client(Router& router, std::uint32_t id) {
   for (const ClientStats& c : router.client_stats())
     if (c.id == id) return c;
@@ -284,17 +295,12 @@ TEST(ServicesHardening, QueuedServiceWorkIsChargedToThePeerAndBoundedByItsLimit)
   services::Pool pool(pool_of(1));
   services::ServiceHost host(rt.router(), pool);
   Gate gate;
-  auto s = std::make_unique<Service>("slow");
-  s->expose("wait", Access::any(), [&](Request&) {
-    gate.wait(60s);
-    return Payload::copy_of("ok");
-  });
-  host.add(std::move(s));
+  host_slow_service(host, gate);
   OpenOnExit release(gate);
 
   RawClient peer(rt);
   peer.peer.write_all(peer.call_frame("slow", "wait", "", kReplyBase));
-  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));
+  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));  // the one worker is held
   // 16 MiB of calls, four times its limit, from a thread of its own: the
   // router stops reading it, so the writes block until the gate opens.
   constexpr std::size_t kArgs = 16 * 1024;
@@ -343,17 +349,12 @@ TEST(ServicesHardening, APeerPastALanesBoundGetsServiceQueueFull) {
   services::Pool pool(pool_of(1));
   services::ServiceHost host(rt.router(), pool);
   Gate gate;
-  auto s = std::make_unique<Service>("slow");
-  s->expose("wait", Access::any(), [&](Request&) {
-    gate.wait(60s);
-    return Payload::copy_of("ok");
-  });
-  host.add(std::move(s));
+  host_slow_service(host, gate);
   OpenOnExit release(gate);
 
   RawClient peer(rt);
   peer.peer.write_all(peer.call_frame("slow", "wait", "", kReplyBase));
-  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));
+  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));  // the one worker is held
   constexpr std::size_t kOver = 5;
   const std::size_t bound = services::kDefaultLaneMaxMessages;
   std::string burst;
