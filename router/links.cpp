@@ -287,6 +287,10 @@ void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsen
   if (unsent.dead || unsent.other)
     log().info("stream={} closed with {} dead replies and {} other messages still queued for it: "
                "dropped ({})", s.name(), unsent.dead, unsent.other, why);
+  // Refusals are summed up a line a second (note_refusal): the last ones
+  // would otherwise go unreported.
+  if (link->refusals)
+    log().warn("stream={} {} more refusal(s) since the last report", s.name(), link->refusals);
   steps += contexts_gone(gone, detail);
   if (was_parent) {
     // Everything not routed through a child was reached via the parent.

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -54,6 +55,14 @@ class RouterFixture : public ::testing::Test {
                                   services::kPingMethod, text, std::chrono::seconds(20)),
               text)
         << router_->log();
+  }
+  // The stats line of client `id` ("" if it is not connected).
+  std::string client_line(std::uint32_t id) {
+    std::istringstream in(router_stats_text(socket()));
+    std::string line, want = "client id=" + std::to_string(id) + " ";
+    while (std::getline(in, line))
+      if (line.rfind(want, 0) == 0) return line;
+    return {};
   }
   // Waits until the router's log holds `needle`.
   bool logged(std::string_view needle, std::chrono::milliseconds t = std::chrono::seconds(20)) {

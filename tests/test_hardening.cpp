@@ -21,6 +21,7 @@
 #include "router/reasons.h"
 #include "stream/fd_frame.h"
 #include "tests/fds_test_util.h"
+#include "tests/hardening_fixture.h"
 #include "tests/process_util.h"
 #include "tests/raw_peer.h"
 #include "tests/router_fixture.h"
@@ -34,70 +35,6 @@ using namespace testutil;
 using namespace std::chrono_literals;
 
 constexpr std::uint32_t kEcho = 2000;
-
-class Hardening : public RouterFixture {
- protected:
-  long rss_kib() const { return vm_rss_kib(router_->pid()); }
-  // The most the router's accounts ever held at once (all peers together).
-  long long memory_peak() const { return stats_field(router_stats_text(socket()), " memory_peak="); }
-  // A Mitogen-dialect client (it cannot take fds); its id in `id`.
-  RawPeer mitogen_client(std::uint32_t& id) {
-    RawPeer p = RawPeer::connect_to(address());
-    id = p.mitogen_handshake(static_cast<std::uint32_t>(::getpid()));
-    return p;
-  }
-  // Sends, from `from` (context `src`), one SF frame whose body is a fresh
-  // sealed sparse memfd of `size` bytes. False if the send failed.
-  static bool send_sparse_memfd(RawPeer& from, std::uint32_t src, std::size_t size, std::uint32_t dst,
-                                std::uint32_t handle, std::uint32_t reply_to,
-                                std::uint16_t body_enc = kEncMitogen) {
-    UniqueFd body = sparse_memfd(size);
-    int raw = body.get();
-    return send_with_fds(from.fd, memfd_frame(dst, src, handle, reply_to, body_enc),
-                         std::span<const int>(&raw, 1));
-  }
-  // The router's log lines that contain `needle`.
-  std::vector<std::string> lines_with(std::string_view needle) const {
-    std::vector<std::string> out;
-    std::string log = router_->log();
-    std::size_t at = 0;
-    while (at < log.size()) {
-      std::size_t nl = log.find('\n', at);
-      if (nl == std::string::npos) nl = log.size();
-      std::string_view line(log.data() + at, nl - at);
-      if (line.find(needle) != std::string_view::npos) out.emplace_back(line);
-      at = nl + 1;
-    }
-    return out;
-  }
-};
-
-// Writes `chunk` over and over without blocking until the socket stays full
-// for `stuck` (the router stopped reading) or `total` has passed. Returns the
-// bytes written.
-std::size_t flood(RawPeer& p, const std::string& chunk, std::chrono::milliseconds stuck,
-                  std::chrono::milliseconds total) {
-  int flags = ::fcntl(p.fd, F_GETFL);
-  EXPECT_EQ(::fcntl(p.fd, F_SETFL, flags | O_NONBLOCK), 0);
-  std::size_t written = 0, off = 0;
-  auto end = std::chrono::steady_clock::now() + total;
-  auto last_progress = std::chrono::steady_clock::now();
-  while (std::chrono::steady_clock::now() < end) {
-    ssize_t n = ::send(p.fd, chunk.data() + off, chunk.size() - off, MSG_NOSIGNAL);
-    if (n > 0) {
-      written += static_cast<std::size_t>(n);
-      off = (off + static_cast<std::size_t>(n)) % chunk.size();
-      last_progress = std::chrono::steady_clock::now();
-      continue;
-    }
-    if (n < 0 && errno != EAGAIN && errno != EINTR) break;  // disconnected
-    if (std::chrono::steady_clock::now() - last_progress > stuck) break;
-    pollfd pf{p.fd, POLLOUT, 0};
-    ::poll(&pf, 1, 10);
-  }
-  ::fcntl(p.fd, F_SETFL, flags);
-  return written;
-}
 
 // §1: a client that sends tiny frames wanting replies to a context that does
 // not exist, and never reads: the dead replies queued for it are charged to
@@ -137,14 +74,22 @@ TEST_F(Hardening, DeadReplyFloodAtANonReaderIsChargedBoundedAndLoggedOnce) {
 // refused once its queue is full; the router's memory stays near the limit
 // (before the fix: "output queue full" came at +525 MiB of RSS for 64 MiB).
 TEST_F(Hardening, QueuedFramesAreChargedAtWhatTheyCostNotTheirPayload) {
-  start({"--high-water-mark", "4M", "--peer-memory-limit", "8M"});
+  // The stall timeout is long: the sink must still be there, full, below.
+  start({"--high-water-mark", "4M", "--peer-memory-limit", "8M", "--stall-timeout", "120s"});
   RawPeer sink = raw_client();
   const std::uint32_t sink_id = id_;
   const long before = rss_kib();
   RawPeer src = raw_client();
+  const std::uint32_t src_id = id_;
   std::string burst;
   for (int i = 0; i < 4096; ++i) burst += frame_bytes(frame(sink_id, id_, id_, kEcho, 0), "12345678");
-  flood(src, burst, 1s, 3s);
+  // Until the sink's queue is full (the router's socket buffers towards it
+  // take about 8 MiB first): a few seconds, longer under a sanitizer (a
+  // fixed 3 s flood was too short under TSan, and the test failed in CI).
+  auto full = [&] { return logged(reason::kQueueFull, 0ms) || logged("refusal", 0ms); };
+  for (auto until = std::chrono::steady_clock::now() + 90s;
+       !full() && std::chrono::steady_clock::now() < until;)
+    flood(src, burst, 1s, 3s, kHeaderSize + 8);
   const long peak = rss_kib();
   const long long charged = memory_peak();
   std::printf("router VmRSS %ld -> %ld KiB, memory_peak %lld bytes\n", before, peak, charged);
@@ -154,7 +99,13 @@ TEST_F(Hardening, QueuedFramesAreChargedAtWhatTheyCostNotTheirPayload) {
   if (kRssIsMeaningful) {
     EXPECT_LT(peak - before, 48 * 1024) << "small queued frames cost more than they were charged";
   }
-  EXPECT_TRUE(logged(reason::kQueueFull) || logged("refusal")) << router_->log();
+  EXPECT_TRUE(full()) << router_->log();
+  // A frame that wants an answer is refused with a dead reply that says why.
+  src.send_frame(frame(sink_id, src_id, src_id, kEcho, 77), "12345678");
+  Message dead;
+  ASSERT_TRUE(src.read_frame_for(src_id, 77, dead, 20s)) << router_->log();
+  EXPECT_TRUE(dead.is_dead());
+  EXPECT_NE(dead.text().find(reason::kQueueFull), std::string::npos) << dead.text();
   expect_served("a full queue");
 }
 
@@ -328,14 +279,22 @@ TEST_F(Hardening, AClientThatNeverReadsItsFullQueueIsDropped) {
 TEST_F(Hardening, ClientBytesAreEscapedSoOneRecordIsOneLine) {
   start({"--accept-client-logs"});
   RawPeer p = raw_client();
-  const std::string forged = "\n2030-01-01T00:00:00.000Z ctx=0(spindle-router) [critical] FORGED-LINE";
-  p.send_frame(frame(0, id_, id_, kHandleAddRoute, 0, kEncMitogen), "notanid" + forged);
-  p.send_frame(frame(0, id_, id_, kHandleDelRoute, 0, kEncMitogen), "x" + forged);
-  p.send_frame(frame(0, id_, id_, kHandleForwardLog, 0, kEncMitogen),
-               std::string("evil\0" "20\0" "hello", 13) + forged + "\x1b[2J");
-  ASSERT_TRUE(logged("hello"));
-  ASSERT_TRUE(logged("notanid")) << router_->log();
-  for (std::string_view needle : {"notanid", "FORGED-LINE"}) {
+  const std::uint32_t p_id = id_;
+  // A second client for DEL_ROUTE: refusals are summed up a line a second per
+  // link, so from p it could be folded into the ADD_ROUTE's line unseen.
+  RawPeer q = raw_client();
+  const std::uint32_t q_id = id_;
+  // Short enough to survive the 64-byte cut of a refused control payload.
+  auto forged = [](std::string_view marker) { return "\n2030-01-01 [critical] " + std::string(marker); };
+  p.send_frame(frame(0, p_id, p_id, kHandleAddRoute, 0, kEncMitogen), "notanid" + forged("FORGED-ADD"));
+  q.send_frame(frame(0, q_id, q_id, kHandleDelRoute, 0, kEncMitogen), "x" + forged("FORGED-DEL"));
+  // FORWARD_LOG "name\0level\0line": both the name and the line are the client's.
+  p.send_frame(frame(0, p_id, p_id, kHandleForwardLog, 0, kEncMitogen),
+               "evil" + forged("FORGED-NAME") + std::string("\0" "20\0", 4) + "hello" +
+                   forged("FORGED-LOG") + "\x1b[2J");
+  ASSERT_TRUE(logged("hello")) << router_->log();
+  ASSERT_TRUE(logged("FORGED-DEL")) << router_->log();
+  for (std::string_view needle : {"FORGED-ADD", "FORGED-DEL", "FORGED-NAME", "FORGED-LOG"}) {
     auto lines = lines_with(needle);
     ASSERT_FALSE(lines.empty()) << needle << "\n" << router_->log();
     EXPECT_NE(lines[0].find("\\n2030-01-01"), std::string::npos) << "not escaped: " << lines[0];
@@ -348,7 +307,7 @@ TEST_F(Hardening, ClientBytesAreEscapedSoOneRecordIsOneLine) {
   // The forwarded line names the context it came from.
   auto hello = lines_with("hello");
   ASSERT_FALSE(hello.empty());
-  EXPECT_NE(hello[0].find(fmt::format("ctx={}", id_)), std::string::npos) << hello[0];
+  EXPECT_NE(hello[0].find(fmt::format("ctx={}", p_id)), std::string::npos) << hello[0];
   expect_served("forged log lines");
 }
 

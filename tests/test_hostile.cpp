@@ -89,6 +89,8 @@ TEST_F(Hostile, TruncatedHeaderThenEofIsALoggedDisconnect) {
 TEST_F(Hostile, SpoofedSrcOrAuthGetsAReversePathDeadReply) {
   RawPeer p = raw_client();
   const std::uint32_t victim = good_->id();
+  const long long victim_got = stats_field(client_line(victim), " messages_out=");
+  ASSERT_GE(victim_got, 0) << client_line(victim);
   struct Case {
     std::uint32_t src, auth;
   };
@@ -101,7 +103,15 @@ TEST_F(Hostile, SpoofedSrcOrAuthGetsAReversePathDeadReply) {
     EXPECT_TRUE(d.is_dead());
     EXPECT_EQ(d.header.handle, 58u);
     EXPECT_TRUE(contains(d.text(), reason::kReversePath)) << d.text();
+    // PROTOCOL §8.1: it carries the src_id the frame claimed as its dst_id,
+    // on the spoofer's own connection, and comes from the router (src: the
+    // context the frame was for).
+    EXPECT_EQ(d.header.dst_id, c.src);
+    EXPECT_EQ(d.header.src_id, 0u);
+    EXPECT_EQ(d.header.auth_id, p.server_id);
   }
+  // None of them was routed to the client whose id was claimed.
+  EXPECT_EQ(stats_field(client_line(victim), " messages_out="), victim_got);
   // The spoofer is not disconnected: an honest frame still gets its answer
   // (here: no such handle at the router).
   p.send_frame(frame(0, id_, id_, kEcho, 59), "honest");

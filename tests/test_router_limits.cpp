@@ -204,17 +204,7 @@ TEST(RouterLimits, ASelectReceiverThatTakesNothingIsBounded) {
 
 // --- §1: control messages towards a non-reader, with a real spindle-router
 
-class RouterLimitsProcess : public RouterFixture {
- protected:
-  // The stats line of client `id` ("" if it is not connected).
-  std::string client_line(std::uint32_t id) {
-    std::istringstream in(router_stats_text(socket()));
-    std::string line, want = fmt::format("client id={} ", id);
-    while (std::getline(in, line))
-      if (line.rfind(want, 0) == 0) return line;
-    return {};
-  }
-};
+class RouterLimitsProcess : public RouterFixture {};
 
 // One round of churn by `b`: `count` ids allocated and announced, `c` sends
 // one frame to each (so it has talked to them), then `b` deletes them all:

@@ -1,0 +1,131 @@
+// Account and MemoryBudget (stream/account.h): the arithmetic behind the
+// accounting rule of issue #11 §1 (docs/PROTOCOL.md §14), without a router:
+// the per-peer limit, the fair share under an exceeded global limit, the
+// admission of memfd bodies (try_charge_within), and relief callbacks that
+// fire once per return under a limit (a paused reader is resumed once, not
+// on every release).
+#include <memory>
+
+#include <gtest/gtest.h>
+
+#include "stream/account.h"
+
+namespace spindle {
+namespace test_account {
+
+TEST(Account, OverItsOwnLimitOnlyPastIt) {
+  Account a(1000, nullptr);
+  a.charge(1000);
+  EXPECT_FALSE(a.over()) << "at the limit is not over it";
+  a.charge(1);
+  EXPECT_TRUE(a.over());
+  a.release(1);
+  EXPECT_FALSE(a.over());
+  EXPECT_EQ(a.held(), 1000u);
+  EXPECT_EQ(a.peak(), 1001u);
+}
+
+TEST(Account, TryChargeAdmitsOneLargeMessageIntoAnEmptyAccountOnly) {
+  Account a(1000, nullptr);
+  EXPECT_TRUE(a.try_charge(5000)) << "an empty account takes one message of any size";
+  EXPECT_FALSE(a.try_charge(1)) << "and nothing after it while it is over";
+  a.release(5000);
+  EXPECT_TRUE(a.try_charge(600));
+  EXPECT_FALSE(a.try_charge(600)) << "600 + 600 would be over 1000";
+  EXPECT_TRUE(a.try_charge(400));
+  EXPECT_EQ(a.held(), 1000u);
+}
+
+// A memfd body from an untrusted peer: it must fit both the peer's own
+// limit and the global one, even into an empty account.
+TEST(Account, TryChargeWithinKeepsBothLimitsEvenForAnEmptyAccount) {
+  auto budget = std::make_shared<MemoryBudget>(10'000);
+  Account a(4000, budget), b(100'000, budget);
+  EXPECT_FALSE(a.try_charge_within(4001)) << "over the peer's own limit";
+  EXPECT_TRUE(a.try_charge_within(4000));
+  EXPECT_FALSE(b.try_charge_within(6001)) << "over what the budget has left";
+  EXPECT_TRUE(b.try_charge_within(6000));
+  EXPECT_EQ(budget->held(), 10'000u);
+  EXPECT_FALSE(b.try_charge_within(1));
+  a.release(4000);
+  b.release(6000);
+  EXPECT_EQ(budget->held(), 0u);
+  EXPECT_EQ(budget->peak(), 10'000u);
+}
+
+// Over the global limit, the peers holding more than limit / peers are over;
+// the others are not, whatever their own limits.
+TEST(Account, AnExceededBudgetStopsOnlyThePeersOverTheirFairShare) {
+  auto budget = std::make_shared<MemoryBudget>(9000);
+  Account big(1'000'000, budget), mid(1'000'000, budget), small(1'000'000, budget);
+  EXPECT_EQ(budget->peers(), 3u);
+  EXPECT_EQ(budget->fair_share(), 3000u);
+  big.charge(8000);
+  mid.charge(900);
+  EXPECT_FALSE(budget->over());
+  EXPECT_FALSE(big.over()) << "the budget is not exceeded yet";
+  small.charge(200);  // 9100 in all
+  EXPECT_TRUE(budget->over());
+  EXPECT_TRUE(big.over()) << "8000 is over its fair share of 3000";
+  EXPECT_FALSE(mid.over());
+  EXPECT_FALSE(small.over());
+  big.release(200);  // 8900: back under the global limit
+  EXPECT_FALSE(big.over());
+  {
+    Account fourth(1'000'000, budget);  // a new peer shrinks everyone's share
+    EXPECT_EQ(budget->fair_share(), 2250u);
+  }
+  EXPECT_EQ(budget->peers(), 3u);
+}
+
+TEST(Account, ReliefFiresOnceEachTimeALimitIsLeftBehind) {
+  auto budget = std::make_shared<MemoryBudget>(1000);
+  int budget_reliefs = 0, account_reliefs = 0;
+  budget->on_relief([&] { ++budget_reliefs; });
+  Account a(500, budget);
+  a.on_relief([&] { ++account_reliefs; });
+  a.charge(400);
+  a.release(100);
+  EXPECT_EQ(account_reliefs, 0) << "never over: nothing to relieve";
+  a.charge(300);  // 600: over its own limit
+  a.release(50);  // 550: still over
+  EXPECT_EQ(account_reliefs, 0);
+  a.release(100);  // 450: under
+  EXPECT_EQ(account_reliefs, 1);
+  a.release(100);
+  EXPECT_EQ(account_reliefs, 1) << "a release that stays under does not fire again";
+  a.charge(700);   // 1050: over both
+  a.release(100);  // 950: under the budget, still over its own limit
+  EXPECT_EQ(budget_reliefs, 1);
+  EXPECT_EQ(account_reliefs, 1);
+  a.release(950);
+  EXPECT_EQ(account_reliefs, 2);
+  EXPECT_EQ(budget_reliefs, 1);
+}
+
+// A Charge releases what it holds wherever it ends up, once.
+TEST(Account, AChargeReleasesOnceWhereverItGoes) {
+  auto budget = std::make_shared<MemoryBudget>(1000);
+  auto a = std::make_shared<Account>(1000, budget);
+  a->charge(300);
+  Charge c(a, 300);
+  Charge moved = std::move(c);
+  EXPECT_FALSE(c);
+  EXPECT_EQ(a->held(), 300u);
+  {
+    Charge taker;
+    taker = std::move(moved);
+  }
+  EXPECT_EQ(a->held(), 0u);
+  EXPECT_EQ(budget->held(), 0u);
+  // An account that goes with charges left gives them back to the budget.
+  {
+    Account gone(1000, budget);
+    gone.charge(700);
+    EXPECT_EQ(budget->held(), 700u);
+  }
+  EXPECT_EQ(budget->held(), 0u);
+}
+
+}  // namespace test_account
+}  // namespace spindle
