@@ -12,6 +12,10 @@
 // stream waits for readability. Before each
 // read the peer's account is checked: over its limit, the stream stops
 // reading until a release brings it back under (Account::on_relief).
+// A listener may throw through a turn (a handler's policy does; the broker
+// loop logs it): the batch still ends (its corked output is flushed), the
+// frame that threw is consumed, and the next turn is queued before the
+// exception goes on, so the stream keeps reading.
 //
 // Writes: the stream does its own non-blocking writev()/sendmsg() of many
 // frames from its TxQueue and waits for writability only when the socket is
@@ -443,7 +447,19 @@ void Stream::on_read(bool filled) {
   // The peer spoke: an application thread may write the next request itself.
   if (state_ == StreamState::kOpen && port_->is_socket) port_->gate.allow_direct();
   last_read_filled_ = filled;
-  input_left_ = process_input();
+  try {
+    input_left_ = process_input();
+  } catch (...) {
+    // A listener threw through the batch (a handler's policy may; the
+    // exception is for the broker loop to log). The batch has ended (Batch
+    // is RAII: corked output is flushed) and the frame that threw is
+    // consumed. The next turn is taken as if frames were left, so the stream
+    // goes on reading, starting with the frames behind the one that threw:
+    // without it nothing re-armed the read and the peer went unheard.
+    input_left_ = true;
+    queue_input_turn();
+    throw;
+  }
   if (!input_left_ && !filled) return arm_read();
   queue_input_turn();
 }
@@ -467,7 +483,13 @@ void Stream::queue_input_turn() {
 void Stream::input_turn() {
   if (state_ == StreamState::kClosed) return;
   if (!input_left_) return do_read();
-  input_left_ = process_input();
+  try {
+    input_left_ = process_input();
+  } catch (...) {  // as in on_read()
+    input_left_ = true;
+    queue_input_turn();
+    throw;
+  }
   if (!input_left_ && !last_read_filled_) return arm_read();
   queue_input_turn();
 }

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <climits>
 #include <future>
+#include <stdexcept>
 #include <string>
 
 #include <fmt/format.h>
@@ -26,6 +27,7 @@
 #include "stream/stream.h"
 #include "tests/fds_test_util.h"
 #include "tests/process_util.h"
+#include "tests/raw_peer.h"
 #include "tests/router_test_util.h"
 
 namespace spindle {
@@ -222,6 +224,66 @@ TEST(HandlerFailures, SelfSendsFromTheBrokerThreadDoNotRecurse) {
   ASSERT_EQ(f.wait_for(60s), std::future_status::ready);
   EXPECT_EQ(f.get(), kHops);
   EXPECT_EQ(max_depth.load(), 1);
+}
+
+// §4 "The batch depth is RAII: an exception escaping a handler must not
+// leave a stream that never flushes again." dispatch_local() catches what a
+// handler throws, but a handler's policy runs before that try: what a policy
+// throws leaves the router, the stream's read batch (Stream::process_input)
+// and the Asio handler, and reaches Broker::run(), which logs it and runs the
+// loop again. Here one read brings three frames: a call whose reply is corked
+// in the batch, a message whose policy throws, and a call behind it.
+// Afterwards (a) the corked reply is flushed, the frame behind the throw and
+// later frames from the same peer are answered; (b) nothing hangs (every read
+// is bounded). With the batch depth a plain counter that the exception skips,
+// nothing is ever flushed again ("before" never arrives). Before the fix in
+// Stream::on_read/input_turn, the batch did end (Stream::Batch is RAII) but
+// the stream never read again: "behind" and every later frame went unanswered.
+TEST(HandlerFailures, APolicyThatThrowsMidBatchLeavesTheStreamFlushingAndReading) {
+  constexpr std::uint32_t kEchoHandle = 2060, kPicky = 2061;
+  Broker broker;
+  Router router(broker, root_opts());
+  router.add_handler([&](Message&& m) { router.reply(m, Payload::copy_of("ok:" + m.text())); }, {},
+                     kEchoHandle);
+  std::atomic<int> policy_calls{0};
+  HandlerOptions picky;
+  picky.policy = [&](const Message&) -> bool {
+    if (policy_calls++ == 0) throw std::runtime_error("the policy threw");
+    return true;
+  };
+  router.add_handler([&](Message&& m) { router.reply(m, Payload::copy_of("picky:" + m.text())); },
+                     picky, kPicky);
+  const std::uint32_t n = router.allocate_id();
+  RawPeer peer;
+  ASSERT_TRUE(attach_raw(router, peer, n));
+  ASSERT_EQ(peer.handshake(), n);
+
+  // One write, so one read and one batch on the router's side.
+  peer.write_all(frame_bytes(frame(0, n, n, kEchoHandle, 101), "before") +
+                 frame_bytes(frame(0, n, n, kPicky, 102), "boom") +
+                 frame_bytes(frame(0, n, n, kEchoHandle, 103), "behind"));
+  // Whatever the router says about 102 (nothing, today) comes before 103's
+  // reply; all that is asked is that 101 and 103 are answered, in order.
+  Message r;
+  ASSERT_TRUE(peer.read_frame_for(n, 101, r, 10s)) << "the reply corked in the batch was never flushed";
+  EXPECT_EQ(r.text(), "ok:before");
+  ASSERT_TRUE(peer.read_frame_for(n, 103, r, 10s)) << "the frame behind the throw was never answered";
+  EXPECT_EQ(r.text(), "ok:behind");
+  EXPECT_EQ(policy_calls.load(), 1);
+
+  // Later frames, in reads of their own: the stream still reads, and output
+  // is still flushed (the policy now lets the message through).
+  peer.send_frame(frame(0, n, n, kEchoHandle, 104), "later");
+  ASSERT_TRUE(peer.read_frame_for(n, 104, r, 10s)) << "the stream stopped reading after the throw";
+  EXPECT_EQ(r.text(), "ok:later");
+  peer.send_frame(frame(0, n, n, kPicky, 105), "again");
+  ASSERT_TRUE(peer.read_frame_for(n, 105, r, 10s));
+  EXPECT_EQ(r.text(), "picky:again");
+  // Output that does not come from this peer's batches is flushed too.
+  router.send(Message::make(n, 4242, Payload::copy_of("from the router")));
+  ASSERT_TRUE(peer.read_frame_for(n, 4242, r, 10s));
+  EXPECT_EQ(r.text(), "from the router");
+  EXPECT_TRUE(peer.goodbye()) << "the router did not answer EOF with EOF";
 }
 
 // §4: a memfd body too large for the frame's 32-bit length field, for a peer
