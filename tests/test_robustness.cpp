@@ -1,6 +1,7 @@
 // Issue #11 §3 (clients check the server) and §4 (broker and pool
 // robustness), in process: real sockets, real children, real fork().
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,8 +12,10 @@
 #include <atomic>
 #include <climits>
 #include <future>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -21,6 +24,7 @@
 #include "broker/errors.h"
 #include "broker/process.h"
 #include "router/child.h"
+#include "router/connect.h"
 #include "router/router.h"
 #include "router/unix_address.h"
 #include "stream/memfd.h"
@@ -117,6 +121,98 @@ TEST(ConnectChecks, TimesOutWhenTheRouterNeverAccepts) {
   for (int fd : queued) ::close(fd);
   ::close(l);
   EXPECT_NE(why.find("no answer within 300 ms"), std::string::npos) << why;
+}
+
+// A "router" on a UNIX socket in a private directory (mode 0700, ours) that
+// accepts one connection, reads the client's hello and then sends `answer`
+// (nothing at all, if empty) instead of a welcome. It keeps the connection
+// open until the client closes it (or 20 s pass), so a client that waited
+// for a welcome would wait for ever.
+class SilentRouter {
+ public:
+  explicit SilentRouter(std::string answer) : answer_(std::move(answer)) {
+    path_ = dir_.path() + "/router.sock";
+    listen_fd_ = listen_on(UnixAddress::parse(path_), 8);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~SilentRouter() {
+    thread_.join();
+    ::close(listen_fd_);
+  }
+  const std::string& path() const { return path_; }
+  bool accepted() const { return accepted_.load(); }
+  std::string hello() {
+    std::lock_guard lk(mu_);
+    return hello_;
+  }
+
+ private:
+  void serve() {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (::poll(&p, 1, 20000) != 1) return;
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    accepted_ = true;
+    std::string got = read_some(fd, kHelloSize, 10s);
+    {
+      std::lock_guard lk(mu_);
+      hello_ = got;
+    }
+    if (!answer_.empty()) (void)!::send(fd, answer_.data(), answer_.size(), MSG_NOSIGNAL);
+    // Hold the connection until the client gives up on it.
+    const auto until = std::chrono::steady_clock::now() + 20s;
+    while (std::chrono::steady_clock::now() < until) {
+      pollfd q{fd, POLLIN, 0};
+      if (::poll(&q, 1, 100) <= 0) continue;
+      char buf[256];
+      ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) break;
+    }
+    ::close(fd);
+  }
+
+  TempDir dir_;
+  std::string path_;
+  std::string answer_;
+  int listen_fd_ = -1;
+  std::atomic<bool> accepted_{false};
+  std::mutex mu_;
+  std::string hello_;
+  std::thread thread_;
+};
+
+// §3 "connect() takes a timeout, as the docs already say." The socket is
+// accepted (so connect_unix's own timeout, checked above for a full backlog,
+// does not apply) but no welcome ever comes: spindle::connect() gives up at
+// its timeout and says so, rather than waiting on the handshake.
+TEST(ConnectChecks, ConnectTimesOutWhenTheRouterAcceptsButNeverWelcomes) {
+  SilentRouter silent("");
+  struct stat st{};
+  ASSERT_EQ(::stat(silent.path().substr(0, silent.path().rfind('/')).c_str(), &st), 0);
+  ASSERT_EQ(st.st_mode & 07777, 0700u);
+  ASSERT_EQ(st.st_uid, ::geteuid());
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string why = error_of([&] { connect(silent.path(), RouterOptions{}, 300ms); });
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_TRUE(silent.accepted()) << "the connection was never accepted: this tested connect_unix";
+  EXPECT_EQ(silent.hello().substr(0, 4), "SPDL") << "the client sent no hello";
+  EXPECT_LT(took, 10s) << "connect() waited far beyond its 300 ms timeout";
+  EXPECT_GE(took, 250ms) << "connect() gave up before its timeout: " << why;
+  EXPECT_NE(why.find("handshake timed out after 300 ms"), std::string::npos) << why;
+  EXPECT_NE(why.find(silent.path()), std::string::npos) << "the error does not name the socket: " << why;
+}
+
+// §3: a peer that accepts and answers with something that is not a welcome
+// (here an HTTP server's) is refused at once, with the reason.
+TEST(ConnectChecks, ConnectRefusesAPeerThatAnswersWithGarbage) {
+  SilentRouter garbage("HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string why = error_of([&] { connect(garbage.path(), RouterOptions{}, 5000ms); });
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_TRUE(garbage.accepted());
+  EXPECT_LT(took, 4s) << "the garbage was not refused as soon as it arrived: " << why;
+  EXPECT_NE(why.find("not a Spindle server"), std::string::npos) << why;
+  EXPECT_NE(why.find("48545450"), std::string::npos) << "the error does not show the bad magic: " << why;
 }
 
 // §4: ~Broker reaps the children it watches and cancels its timers.
