@@ -269,10 +269,24 @@ void Router::dispatch_local(Message&& m) {
     return;
   }
   HandlerPtr h = *found;  // the handler may remove itself while it runs
-  if (h->opts.policy && !h->opts.policy(m))
-    return send_dead(m.header, fmt::format("{}: handle {} refused context {}",
-                                           reason::kRefusedByPolicy, m.header.handle,
-                                           m.header.auth_id));
+  if (h->opts.policy) {
+    bool allowed = false;
+    try {
+      allowed = h->opts.policy(m);
+    } catch (...) {
+      // A policy that throws is a bug of the application's: the sender is
+      // told its message was refused, and the exception goes on to the
+      // broker loop, which logs it (the stream reads on: Stream::on_read).
+      const ThrownError t = current_thrown_error();
+      send_dead(m.header, fmt::format("{}: the policy of handle {} threw {}: {}", reason::kRefusedByPolicy,
+                                      m.header.handle, t.type, t.message));
+      throw;
+    }
+    if (!allowed)
+      return send_dead(m.header, fmt::format("{}: handle {} refused context {}",
+                                             reason::kRefusedByPolicy, m.header.handle,
+                                             m.header.auth_id));
+  }
   // A memfd body is mapped only now that it has somewhere to go.
   if (m.sealed_body && !map_sealed_body(m)) return;
   ++stats_.delivered_locally;

@@ -358,11 +358,17 @@ TEST(HandlerFailures, APolicyThatThrowsMidBatchLeavesTheStreamFlushingAndReading
   peer.write_all(frame_bytes(frame(0, n, n, kEchoHandle, 101), "before") +
                  frame_bytes(frame(0, n, n, kPicky, 102), "boom") +
                  frame_bytes(frame(0, n, n, kEchoHandle, 103), "behind"));
-  // Whatever the router says about 102 (nothing, today) comes before 103's
-  // reply; all that is asked is that 101 and 103 are answered, in order.
+  // 101, 102 and 103 are answered in order: 102 with a dead reply that says
+  // its policy threw (before, it got no answer and its caller waited out its
+  // timeout).
   Message r;
   ASSERT_TRUE(peer.read_frame_for(n, 101, r, 10s)) << "the reply corked in the batch was never flushed";
   EXPECT_EQ(r.text(), "ok:before");
+  ASSERT_TRUE(peer.read_frame_for(n, 102, r, 10s)) << "the message whose policy threw was not answered";
+  EXPECT_TRUE(r.is_dead());
+  EXPECT_NE(r.text().find("refused by policy: the policy of handle 2061 threw"), std::string::npos)
+      << r.text();
+  EXPECT_NE(r.text().find("the policy threw"), std::string::npos) << r.text();
   ASSERT_TRUE(peer.read_frame_for(n, 103, r, 10s)) << "the frame behind the throw was never answered";
   EXPECT_EQ(r.text(), "ok:behind");
   EXPECT_EQ(policy_calls.load(), 1);
