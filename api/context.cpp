@@ -98,8 +98,11 @@ void Context::send(std::uint32_t handle, Payload data) const {
 }
 
 void Context::send(std::uint32_t handle, std::string_view bytes) const {
-  with_router(link_, id_,
-              [&](Router& r) { r.send(Message::make(id_, handle, Payload::copy_of(bytes))); });
+  // Copied straight into the send queue (or written at once): no Payload,
+  // no allocation.
+  const std::span<const std::uint8_t> view(reinterpret_cast<const std::uint8_t*>(bytes.data()),
+                                           bytes.size());
+  with_router(link_, id_, [&](Router& r) { r.send(id_, handle, view); });
 }
 
 void Context::shutdown() const {

@@ -24,4 +24,12 @@ bool wait(std::atomic<std::uint32_t>& word, std::uint32_t expected,
 // Wakes up to `n` threads sleeping on `word`.
 void wake(std::atomic<std::uint32_t>& word, int n);
 
+// The deadline `timeout` from now; max() for a year or more (no deadline).
+// Read the clock only where a wait really begins: it costs a send path a
+// few percent of its CPU.
+inline std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  if (timeout >= std::chrono::hours(24 * 365)) return std::chrono::steady_clock::time_point::max();
+  return std::chrono::steady_clock::now() + timeout;
+}
+
 }  // namespace spindle::futex

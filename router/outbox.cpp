@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <new>
+#include <optional>
 
 #include "broker/futex.h"
 
@@ -55,12 +56,13 @@ void Outbox::publish(std::uint64_t pos, std::uint32_t length) {
 }
 
 Outbox::Push Outbox::push(const OutboxRecord& rec, std::span<const std::uint8_t> bytes,
-                          Message* msg, std::chrono::steady_clock::time_point deadline) {
+                          Message* msg, std::chrono::milliseconds timeout) {
   const std::size_t body = msg ? sizeof(Message) : bytes.size();
   const std::size_t need = round_up8(sizeof(RecHead) + sizeof(OutboxRecord) + body);
   if (need > capacity_ / 2) return Push::kTooLarge;
   std::uint64_t t;
   std::size_t pad;
+  std::optional<std::chrono::steady_clock::time_point> deadline;  // from the first wait
   while (true) {
     t = tail_.load(std::memory_order_relaxed);
     std::size_t off = static_cast<std::size_t>(t & (capacity_ - 1));
@@ -74,7 +76,10 @@ Outbox::Push Outbox::push(const OutboxRecord& rec, std::span<const std::uint8_t>
     std::uint32_t seq = space_seq_.load();
     space_waiters_.fetch_add(1);
     bool woke = true;
-    if (tail_.load() + pad + need - head_.load() > capacity_) woke = futex::wait(space_seq_, seq, deadline);
+    if (tail_.load() + pad + need - head_.load() > capacity_) {
+      if (!deadline) deadline = futex::deadline_after(timeout);
+      woke = futex::wait(space_seq_, seq, *deadline);
+    }
     space_waiters_.fetch_sub(1);
     if (!woke) return Push::kTimeout;
   }

@@ -58,9 +58,10 @@ class Outbox {
 
   enum class Push { kOk, kTimeout, kTooLarge };
   // Copies the record and `bytes` in (or moves `msg` in when non-null).
-  // Waits for space until `deadline` when the ring is full.
+  // Waits for space for at most `timeout` when the ring is full (the clock
+  // is read only then).
   Push push(const OutboxRecord& rec, std::span<const std::uint8_t> bytes, Message* msg,
-            std::chrono::steady_clock::time_point deadline);
+            std::chrono::milliseconds timeout);
 
   bool empty() const {
     return head_.load(std::memory_order_acquire) == tail_.load(std::memory_order_acquire);

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "broker/errors.h"
+#include "broker/futex.h"
 #include "broker/log.h"
 #include "router/reasons.h"
 #include "router/router.h"
@@ -34,12 +35,6 @@ struct CachedRoute {
 };
 constexpr std::size_t kRouteCacheSize = 16;
 thread_local CachedRoute t_routes[kRouteCacheSize];
-
-std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
-  auto now = std::chrono::steady_clock::now();
-  if (timeout >= std::chrono::hours(24 * 365)) return std::chrono::steady_clock::time_point::max();
-  return now + timeout;
-}
 
 }  // namespace
 
@@ -64,6 +59,9 @@ void Router::send(Message msg, std::chrono::milliseconds timeout) {
 
 void Router::send(std::uint32_t dst, std::uint32_t handle, std::span<const std::uint8_t> bytes,
                   std::uint16_t enc, std::chrono::milliseconds timeout) {
+  // A payload big enough for a memfd takes the Message path, which makes one.
+  if (bytes.size() >= opts_.memfd_threshold)
+    return send(Message::make(dst, handle, Payload::copy_of(bytes), enc), timeout);
   Header h;
   h.enc = enc;
   h.dst_id = dst;
@@ -109,7 +107,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
   const bool on_broker = broker_.on_broker_thread();
   if (h.dst_id == id() && deliver_here(h, bytes, msg)) {
     // The frame skipped the outbox, where an async call's deadline is armed.
-    if (async_slot) arm_deadline(async_slot, deadline_after(timeout));
+    if (async_slot) arm_deadline(async_slot, futex::deadline_after(timeout));
     return;
   }
 
@@ -124,7 +122,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
       OutputGauge::Admit a = g.closed() ? OutputGauge::Admit::kClosed
                              : (!wait || on_broker)
                                  ? OutputGauge::Admit::kTimeout
-                                 : g.acquire(charge, deadline_after(timeout));
+                                 : g.acquire(charge, futex::deadline_after(timeout));
       if (a == OutputGauge::Admit::kTimeout)
         throw QueueFullError(fmt::format("{}: context {} has {} bytes queued (high-water mark {})",
                                          reason::kQueueFull, h.dst_id, g.queued(),
@@ -152,7 +150,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
   rec.port_serial = port.port ? port.serial : 0;
   rec.charged = port.port ? charge : 0;
   rec.call_slot = async_slot;
-  if (async_slot) rec.deadline_ns = deadline_after(timeout).time_since_epoch().count();
+  if (async_slot) rec.deadline_ns = futex::deadline_after(timeout).time_since_epoch().count();
   if (on_broker) {
     // Routed at once; corked if inside a batch.
     BatchScope batch(*this);
@@ -174,9 +172,9 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
     copied = Message{h, Payload::copy_of(bytes)};
     carried = &copied;
   }
-  auto deadline = reply ? deadline_after(kDefaultSendTimeout) : deadline_after(wait ? timeout : std::chrono::milliseconds(0));
+  const auto wait_at_most = reply ? kDefaultSendTimeout : wait ? timeout : std::chrono::milliseconds(0);
   Outbox::Push r = outbox_.push(rec, carried ? std::span<const std::uint8_t>{} : inline_bytes,
-                                carried, deadline);
+                                carried, wait_at_most);
   if (r != Outbox::Push::kOk) {
     if (port.port) port.port->gauge.release(charge);
     throw QueueFullError(fmt::format("{}: the send queue of this context ({} bytes) stayed full",

@@ -32,7 +32,7 @@ namespace test_memfd {
 using namespace std::chrono_literals;
 using namespace testutil;
 
-constexpr std::uint32_t kEcho = 3000, kDescribe = 3200, kStream = 3201;
+constexpr std::uint32_t kEcho = 3000, kDescribe = 3200, kStream = 3201, kRemember = 3202, kLast = 3203;
 
 Payload filled_buffer(std::size_t n, std::uint32_t seed) {
   PayloadBuffer buf(n);
@@ -132,6 +132,11 @@ int memfd_child(ChildEnv& env) {
   Router& r = env.router();
   r.add_handler([&r](Message&& m) { r.reply(m, m.data); }, {}, kEcho);
   r.add_handler([&r](Message&& m) { r.reply(m, Payload::copy_of(describe(m.data))); }, {}, kDescribe);
+  // One-way messages are described for the next kLast call (both handlers
+  // run on the broker thread, in arrival order).
+  std::string last;
+  r.add_handler([&last](Message&& m) { last = describe(m.data); }, {}, kRemember);
+  r.add_handler([&r, &last](Message&& m) { r.reply(m, Payload::copy_of(last)); }, {}, kLast);
   env.serve();
   return 0;
 }
@@ -156,6 +161,25 @@ TEST(MemfdRouter, LargePayloadsTravelAsMemfdViewsBothWays) {
   // Below the threshold payloads stay inline.
   std::string small = describe(Payload::copy_of(std::string(1000, 's')));
   EXPECT_EQ(c.call(kDescribe, Payload::copy_of(std::string(1000, 's')), 10s).to_string(), small);
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+// Context::send(handle, bytes) copies small bytes straight into the send
+// queue, with no Payload built; bytes above the memfd threshold still travel
+// as a sealed memfd, as a Payload of that size does.
+TEST(MemfdRouter, SentBytesAboveTheThresholdTravelAsAMemfd) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, memfd_child, named("memfd-bytes"));
+  std::string big(3u << 20, '\0');
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 13 + (i >> 10));
+  c.send(kRemember, std::string_view(big));
+  EXPECT_EQ(c.call(kLast, std::string_view{}, 20s),
+            describe(Payload::copy_of(big)).replace(0, 6, "memfd"));
+  const std::string small(200, 'b');
+  c.send(kRemember, std::string_view(small));
+  EXPECT_EQ(c.call(kLast, std::string_view{}, 20s), describe(Payload::copy_of(small)));
   c.shutdown();
   expect_exit_code(c, 0);
 }
