@@ -20,7 +20,7 @@
 // Why not Boost.Lockfree here: its queue holds fixed-size trivially-copyable
 // values, so each frame would cost a node from a freelist plus a separate
 // buffer for the bytes: two more atomic operations and one more cache line
-// per message. bench_core's "queue" section measures both (docs/DESIGN.md).
+// per message. bench_queues measures both in one run (docs/DESIGN.md).
 //
 // Thread safety: push() from any thread; drain() and the consumer side from
 // the broker thread only. Ownership: owns its buffer and the Messages in it.
