@@ -12,6 +12,7 @@
 #include <atomic>
 #include <climits>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -226,17 +227,23 @@ TEST(BrokerEnd, DestructorReapsWatchedChildrenAndCancelsTimers) {
   int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   ASSERT_GE(pidfd, 0) << errno_text(errno);
   std::atomic<bool> fired{false};
+  // The timer's handler holds a token: once ~Broker has cancelled the timer,
+  // the handler is destroyed with it, and only the test holds the token. A
+  // timer left armed (or its handler leaked) would keep it.
+  auto token = std::make_shared<int>(0);
+  const std::weak_ptr<int> watched = token;
   {
     Broker::Options o;
     o.shutdown_grace = 200ms;
     Broker broker(o);
     broker.watch_child(std::make_shared<ChildProcess>(pid, pidfd), [](int) {});
-    broker.call_later(1h, [&] { fired = true; });
+    broker.call_later(1h, [&fired, t = std::move(token)] { fired = true; });
   }
   errno = 0;
   EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1) << "the child was left a zombie (or running)";
   EXPECT_EQ(errno, ECHILD);
   EXPECT_FALSE(fired.load());
+  EXPECT_TRUE(watched.expired()) << "the pending timer's handler outlived the broker";
 }
 
 // §4: a handler that throws something that is not a std::exception gets its
