@@ -4,7 +4,9 @@
 // destination and handle the fuzzer picks, with 0-4 real fds attached by
 // SCM_RIGHTS: sealed memfds of fuzzed sizes, unsealed or write-sealed-only
 // memfds, pipe ends, socket ends and /dev/null. Declared and attached counts
-// may disagree, bytes may be cut, and frames go to the root (handlers, control
+// may disagree, bytes may be cut, a frame may be a batch head (kFlagFdBatches:
+// it takes a share of its fds and owes the rest to the SF frames after it) or
+// claim fds it was sent none of, and frames go to the root (handlers, control
 // handles, the pending call), to the sibling (which takes no fds) or nowhere.
 // On top of the harness's invariants (sibling served, link closed on EOF,
 // pending call completed, clean shutdown) this target checks that every fd
@@ -145,7 +147,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::set<FileKey> sent;
   FuzzedDataProvider in(data, size);
   {
-    fuzz::RouterHarness h(kFlagFdPassing);
+    fuzz::RouterHarness h(kFlagFdPassing | kFlagFdBatches);
     static constexpr std::uint32_t kDsts[] = {0, fuzz::kSiblingId, fuzz::kFuzzedId, 77};
     static constexpr std::uint16_t kEncs[] = {kEncRaw, kEncMitogen, kEncFds, kEncCallError};
     int frames = 0;
@@ -163,9 +165,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       hd.reply_to = in.ConsumeBool() ? in.ConsumeIntegralInRange<std::uint32_t>(1000, 1100) : 0;
       const bool lie = in.ConsumeIntegralInRange<int>(0, 7) == 0;
+      // A frame sent without fds may claim some: the rest of a batch that an
+      // earlier frame's head announced (kFlagFdBatches), or a lie.
+      const std::size_t count = fds.empty() ? in.ConsumeIntegralInRange<std::size_t>(1, 3) : fds.size();
       FdPrefix prefix{in.PickValueInArray(kEncs),
-                      static_cast<std::uint16_t>(lie ? in.ConsumeIntegral<std::uint16_t>() : fds.size()),
+                      static_cast<std::uint16_t>(lie ? in.ConsumeIntegral<std::uint16_t>() : count),
                       static_cast<std::uint16_t>(in.ConsumeBool() ? kFdFlagMemfdBody : 0)};
+      if (!fds.empty() && in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+        // A batch head: it takes a share of the fds sent with it and owes the
+        // rest to the SF frames after it.
+        prefix.flags |= kFdFlagBatchHead;
+        prefix.batch_fds = static_cast<std::uint16_t>(lie ? in.ConsumeIntegral<std::uint16_t>() : fds.size());
+        prefix.fd_count = in.ConsumeIntegralInRange<std::uint16_t>(1, static_cast<std::uint16_t>(fds.size()));
+      }
       if (in.ConsumeIntegralInRange<int>(0, 15) == 0) prefix.flags = in.ConsumeIntegral<std::uint16_t>();
       auto pb = encode_fd_prefix(prefix);
       std::string body(reinterpret_cast<const char*>(pb.data()), pb.size());

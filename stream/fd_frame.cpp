@@ -1,8 +1,9 @@
 // The SF prefix is fixed-size and validated field by field; anything a peer
 // could get wrong (a count of 0 or over 253, unknown flags, a memfd body with
-// inline bytes, a non-zero reserved field) is a protocol error, because fds
-// are bound to frames by count and a wrong count would shift every later
-// frame's fds.
+// inline bytes, a batch that cannot hold its own head's fds, a batch_fds
+// outside a batch head, a batch head to a side that never announced batches)
+// is a protocol error, because fds are bound to frames by count and a wrong
+// count would shift every later frame's fds.
 #include "stream/fd_frame.h"
 
 #include <fmt/format.h>
@@ -18,11 +19,11 @@ std::array<std::uint8_t, kFdPrefixSize> encode_fd_prefix(const FdPrefix& p) {
   be::put16(&b[0], p.inner_enc);
   be::put16(&b[2], p.fd_count);
   be::put16(&b[4], p.flags);
-  be::put16(&b[6], 0);
+  be::put16(&b[6], p.batch_head() ? p.batch_fds : 0);
   return b;
 }
 
-std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error) {
+std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error, bool batches) {
   if (data.size() < kFdPrefixSize) {
     error = fmt::format("SF frame of {} bytes is shorter than its {}-byte prefix", data.size(),
                         kFdPrefixSize);
@@ -34,14 +35,17 @@ std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error
     for (std::size_t i = 0; i < s.size && got < kFdPrefixSize; ++i) raw[got++] = s.data[i];
     if (got == kFdPrefixSize) break;
   }
-  FdPrefix p{be::get16(raw), be::get16(raw + 2), be::get16(raw + 4)};
-  const std::uint16_t reserved = be::get16(raw + 6);
+  FdPrefix p{be::get16(raw), be::get16(raw + 2), be::get16(raw + 4), be::get16(raw + 6)};
+  const std::uint16_t known = kFdFlagMemfdBody | (batches ? kFdFlagBatchHead : 0);
   if (!is_known_enc(p.inner_enc) || p.inner_enc == kEncFds)
     error = fmt::format("SF frame with bad inner enc 0x{:04x}", p.inner_enc);
   else if (p.fd_count == 0 || p.fd_count > kMaxFdsPerMessage)
     error = fmt::format("SF frame declares {} fds (1..{} allowed)", p.fd_count, kMaxFdsPerMessage);
-  else if ((p.flags & ~kFdFlagMemfdBody) != 0 || reserved != 0)
-    error = fmt::format("SF frame with unknown flags 0x{:04x} / reserved 0x{:04x}", p.flags, reserved);
+  else if ((p.flags & ~known) != 0 || (!p.batch_head() && p.batch_fds != 0))
+    error = fmt::format("SF frame with unknown flags 0x{:04x} / batch_fds 0x{:04x}", p.flags, p.batch_fds);
+  else if (p.batch_head() && (p.batch_fds < p.fd_count || p.batch_fds > kMaxFdsPerMessage))
+    error = fmt::format("SF batch head of {} fds says its batch holds {} ({}..{} allowed)", p.fd_count,
+                        p.batch_fds, p.fd_count, kMaxFdsPerMessage);
   else if (p.memfd_body() && data.size() != kFdPrefixSize)
     error = "SF frame with a memfd body also carries inline bytes";
   if (!error.empty()) return std::nullopt;

@@ -2,14 +2,19 @@
 //
 // The 26-byte Mitogen header has no spare field, so a frame that carries fds
 // uses its own enc, "SF" (kEncFds), and starts its payload with an 8-byte
-// prefix:  inner_enc:u16  fd_count:u16  flags:u16  reserved:u16 (0),
+// prefix:  inner_enc:u16  fd_count:u16  flags:u16  batch_fds:u16,
 // followed by the application bytes. inner_enc is the message's real enc (SR,
 // SE, MI...), fd_count the number of fds sent with the frame (1..253), and
 // flag kFdFlagMemfdBody says the first fd is a sealed memfd holding the body
 // (the inline bytes are then empty). A sender passes a frame's fds with the
-// sendmsg() that carries the frame's first byte, and one fd-carrying frame per
-// sendmsg; a receiver binds them by order: the n-th SF frame takes the n-th
-// batch of fds received (see stream.cpp).
+// sendmsg() that carries the frame's first byte. By default that is one
+// SF frame per sendmsg, and the receiver binds the n-th SF frame to the n-th
+// batch of fds received. Between peers that both announce kFlagFdBatches, one
+// sendmsg may carry the fds of several SF frames (253 at most): its first SF
+// frame has flag kFdFlagBatchHead and says in batch_fds how many fds the
+// whole batch holds, and it and the SF frames after it take their fd_count
+// from that batch in order until it is used up (stream_fds.cpp). batch_fds
+// is 0 in any other frame.
 //
 // The reasons a stream gives when a message cannot travel with its fds are
 // named here, so the router can put them in dead replies (router/reasons.h).
@@ -29,17 +34,22 @@ namespace spindle {
 
 inline constexpr std::size_t kFdPrefixSize = 8;
 inline constexpr std::uint16_t kFdFlagMemfdBody = 1;
+inline constexpr std::uint16_t kFdFlagBatchHead = 2;
 
 struct FdPrefix {
   std::uint16_t inner_enc = 0;
   std::uint16_t fd_count = 0;
   std::uint16_t flags = 0;
+  std::uint16_t batch_fds = 0;  // with kFdFlagBatchHead: the fds of the whole batch
   bool memfd_body() const { return (flags & kFdFlagMemfdBody) != 0; }
+  bool batch_head() const { return (flags & kFdFlagBatchHead) != 0; }
 };
 
 std::array<std::uint8_t, kFdPrefixSize> encode_fd_prefix(const FdPrefix& p);
 // Reads the prefix of an SF payload; nullopt (and `error`) if it is malformed.
-std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error);
+// `batches`: whether this side announced kFlagFdBatches (a batch head is a
+// protocol error otherwise).
+std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error, bool batches = false);
 // The payload without its first `n` bytes, sharing the same owners.
 Payload drop_front(const Payload& data, std::size_t n);
 

@@ -37,6 +37,10 @@ inline constexpr std::size_t kMaxRefusalReason = 1024;
 enum HandshakeFlag : std::uint16_t {
   kFlagNone = 0,
   kFlagFdPassing = 1,  // this side takes fds (SCM_RIGHTS); only on a UNIX socket
+  // This side binds fds by count, so one sendmsg may carry the fds of several
+  // SF frames (fd_frame.h); offered with kFlagFdPassing. Used only when both
+  // sides announce it: an older peer ignores the bit.
+  kFlagFdBatches = 2,
 };
 
 // Which protocol the peer speaks. A Mitogen peer exchanges 26-byte frames

@@ -188,7 +188,10 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
   if (is_socket_) enlarge_socket_buffers(write_fd, opts_.name);
   had_handshake_ = handshake_ != nullptr;
   // fds travel only over one socket carrying both directions.
-  if (handshake_ && is_socket_ && write_fd == read_fd) handshake_->offer_flags(kFlagFdPassing);
+  if (handshake_ && is_socket_ && write_fd == read_fd) {
+    handshake_->offer_flags(kFlagFdPassing | kFlagFdBatches);
+    accept_fd_batches_ = true;
+  }
   rx_.set_account(account_);
   port_->fd = write_fd;
   port_->is_socket = is_socket_ && !wr_;
@@ -232,6 +235,10 @@ void ReadResumer::fire() {
 bool Stream::peer_takes_fds() const {
   if (!is_socket_ || wr_) return false;
   return !had_handshake_ || (peer_.flags & kFlagFdPassing) != 0;
+}
+
+bool Stream::peer_takes_fd_batches() const {
+  return had_handshake_ && peer_takes_fds() && (peer_.flags & kFlagFdBatches) != 0;
 }
 
 void Stream::set_name(std::string name) {
@@ -656,9 +663,13 @@ void Stream::flush() {
   if (state_ == StreamState::kClosed || write_shut_) return;
   if (!tx_.empty() && !port_->gate.broker_may_write()) return;  // the writer's kick brings us back
   const int fd = writer().native_handle();
+  // Several SF frames' fds in one sendmsg when the peer binds them by count;
+  // after a refused batch, one frame per sendmsg, so that only the frame the
+  // kernel refuses fails (send_fd_frame_failed).
+  bool fd_batches = peer_takes_fd_batches();
   while (!tx_.empty()) {
     iovec iov[kMaxIov];
-    TxQueue::Gather g = tx_.gather(iov, kMaxIov);
+    TxQueue::Gather g = tx_.gather(iov, kMaxIov, fd_batches);
     if (!g.error.empty()) return close(g.error);
     ssize_t n;
     if (is_socket_) {
@@ -666,8 +677,13 @@ void Stream::flush() {
       mh.msg_iov = iov;
       mh.msg_iovlen = static_cast<std::size_t>(g.iovcnt);
       FdControl control;
-      if (g.with_fds)
-        control.attach(mh, std::span<const int>(g.with_fds->wire_fds.data(), g.with_fds->wire_fds.size()));
+      if (!g.fd_frames.empty()) {
+        int fds[kMaxFdsPerMessage];
+        std::size_t k = 0;
+        for (TxFrame* f : g.fd_frames)
+          for (int x : f->wire_fds) fds[k++] = x;
+        control.attach(mh, std::span<const int>(fds, k));
+      }
       n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     } else {
       n = ::writev(fd, iov, g.iovcnt);
@@ -676,7 +692,11 @@ void Stream::flush() {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_write();
       int err = errno;
-      if (g.with_fds && send_fd_frame_failed(err)) continue;
+      if (g.fd_frames.size() > 1 && fd_batches) {
+        fd_batches = false;  // retried frame by frame: only the frame at fault fails
+        continue;
+      }
+      if (!g.fd_frames.empty() && send_fd_frame_failed(err)) continue;
       if (err == EPIPE && !is_socket_) consume_pending_sigpipe();
       if (err == EPIPE || err == ECONNRESET)
         return close("peer closed the connection (" + std::string(errno_text(err)) + ")");
@@ -684,18 +704,18 @@ void Stream::flush() {
     }
     ++stats_.writes;
     stats_.bytes_out += static_cast<std::uint64_t>(n);
-    if (g.with_fds) {
-      // The kernel holds its own references now; ours may close.
-      TxFrame& f = *g.with_fds;
-      f.fds_sent = true;
-      stats_.fds_out += f.wire_fds.size();
-      f.fds_hold = {};
-      f.body_hold.reset();
-      if (f.original) {
-        f.original->fds = {};
-        f.original->sealed_body.reset();
+    // The kernel holds its own references now, for every frame of the
+    // batch (even one whose bytes are not all written yet); ours may close.
+    for (TxFrame* f : g.fd_frames) {
+      f->fds_sent = true;
+      f->fds_hold = {};
+      f->body_hold.reset();
+      if (f->original) {
+        f->original->fds = {};
+        f->original->sealed_body.reset();
       }
     }
+    stats_.fds_out += g.fds;
     std::size_t released = tx_.advance(static_cast<std::size_t>(n));
     if (released) port_->gauge.release(released);
     stats_.messages_out = tx_.frames_written();

@@ -197,6 +197,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // Whether fds can travel to the peer: a socket, and the peer announced
   // kFlagFdPassing (a stream without a handshake assumes it on a socket).
   bool peer_takes_fds() const;
+  // Whether one sendmsg may carry the fds of several SF frames (both sides
+  // announced kFlagFdBatches).
+  bool peer_takes_fd_batches() const;
   bool reading_paused() const { return paused_; }
   // Reads and delivers nothing from the peer for `d`, from the next frame on
   // (the rest of this batch waits too): backpressure on a peer that goes over
@@ -275,6 +278,12 @@ class Stream : public std::enable_shared_from_this<Stream> {
   TxQueue tx_;
   std::deque<HeldMessage> held_;  // messages queued before the handshake completed
   std::deque<FdBatch> rx_fds_;    // received fds not yet bound to a frame
+  // The batch SF frames are taking their fds from: its fds from `bound_` on
+  // are not taken yet, and `batch_left_` more are owed to frames still to
+  // come (a truncated batch owes more than it holds).
+  FdBatch batch_;
+  std::size_t bound_ = 0, batch_left_ = 0;
+  bool accept_fd_batches_ = false;  // we announced kFlagFdBatches
   bool had_handshake_ = false;
   asio::steady_timer handshake_timer_;
   asio::steady_timer stall_timer_;

@@ -49,42 +49,76 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target, bool& at_fds) {
 // Every complete frame has been parsed: a batch still waiting must belong to
 // the one partial frame left (its first byte came with the fds). More than
 // one, or one with nothing buffered, came with frames that were not SF: a
-// peer could otherwise pile fds up in this process.
+// peer could otherwise pile fds up in this process. (The fds a batch still
+// owes to SF frames not yet arrived are held in batch_, at most 253.)
 bool Stream::orphan_fds() const {
   return rx_fds_.size() > 1 || (rx_fds_.size() == 1 && !parser_->partial());
 }
 
-// Gives an SF frame its fds: the oldest batch received. The sender passed
-// them with the frame's first byte and one SF frame per sendmsg, and the
-// kernel never returns fds later than the byte they came with, so by the time
-// a frame is complete its batch is the oldest one not yet taken.
+// Gives an SF frame its fds. They come from the batch SF frames are taking
+// from (batch_), or else from the oldest batch received, which then becomes
+// that batch: the sender passed them with the frame's first byte, and the
+// kernel never returns fds later than the byte they came with, so by the
+// time a frame is complete its batch has been received. A batch holds one
+// frame's fds, or, with kFlagFdBatches, those of the batch head and the SF
+// frames after it, bound by count (fd_frame.h).
 bool Stream::bind_fds(Message& m) {
   ParseResult bad;
   bad.status = ParseStatus::kInvalid;
   bad.header = m.header;
   bad.header_valid = true;
-  std::optional<FdPrefix> prefix = decode_fd_prefix(m.data, bad.error);
+  std::optional<FdPrefix> prefix = decode_fd_prefix(m.data, bad.error, accept_fd_batches_);
   if (!prefix) {
     protocol_error(bad);
     return false;
   }
-  if (rx_fds_.empty()) {
+  if (prefix->batch_head() && batch_left_ > 0)
+    bad.error = fmt::format("an fd batch began while {} fds of the last were owed to frames", batch_left_);
+  else if (batch_left_ == 0 && rx_fds_.empty())
     bad.error = fmt::format("SF frame declares {} fds but none arrived with it", prefix->fd_count);
+  if (!bad.error.empty()) {
     protocol_error(bad);
     return false;
   }
-  FdBatch batch = std::move(rx_fds_.front());
-  rx_fds_.pop_front();
+  if (batch_left_ == 0) {
+    batch_ = std::move(rx_fds_.front());
+    rx_fds_.pop_front();
+    bound_ = 0;
+    batch_left_ = prefix->batch_head() ? prefix->batch_fds : prefix->fd_count;
+    if (!batch_.truncated && batch_.fds.size() != batch_left_) {
+      bad.error = fmt::format("{} declares {} fds but {} arrived with it",
+                              prefix->batch_head() ? "SF batch head" : "SF frame", batch_left_,
+                              batch_.fds.size());
+      batch_left_ = 0;
+      protocol_error(bad);
+      return false;
+    }
+  }
+  if (prefix->fd_count > batch_left_) {
+    bad.error = fmt::format("SF frame declares {} fds but its batch has {} left", prefix->fd_count,
+                            batch_left_);
+    protocol_error(bad);
+    return false;
+  }
+  batch_left_ -= prefix->fd_count;
+  // This frame's fds: the next fd_count of the batch (fewer if the kernel
+  // dropped some: only what arrived is there, in order).
+  std::vector<UniqueFd> fds;
+  const std::size_t have = std::min<std::size_t>(prefix->fd_count, batch_.fds.size() - bound_);
+  fds.reserve(have);
+  for (std::size_t i = 0; i < have; ++i) fds.push_back(std::move(batch_.fds[bound_ + i]));
+  bound_ += have;
+  if (batch_left_ == 0) batch_ = {};  // used up: the next SF frame starts another
   m.header.enc = prefix->inner_enc;
   m.data = drop_front(m.data, kFdPrefixSize);
   m.header.length = static_cast<std::uint32_t>(m.data.size());
-  if (batch.truncated) {
-    // The bytes are intact, only this frame's fds are lost: refuse the
-    // message, keep the connection (docs/PROTOCOL.md §13.4).
-    const std::size_t arrived = std::min<std::size_t>(batch.fds.size(), prefix->fd_count);
-    batch.fds.clear();  // give the slots back before anything else needs one
+  if (have < prefix->fd_count) {
+    // The bytes are intact, only this frame's fds are lost (MSG_CTRUNC: the
+    // kernel dropped the tail of its batch): refuse the message, keep the
+    // connection (docs/PROTOCOL.md §13.4).
+    fds.clear();  // give the slots back before anything else needs one
     std::string why = fmt::format("{}: {} of {} fds lost (MSG_CTRUNC) at context {} on stream {}",
-                                  fdreason::kFdsLost, prefix->fd_count - arrived, prefix->fd_count,
+                                  fdreason::kFdsLost, prefix->fd_count - have, prefix->fd_count,
                                   peer_.local_id, name());
     // This process ran out of fds: its own failure, an error whoever sent.
     log().error("stream={} {}; message from context {} handle {} refused", name(), why,
@@ -92,17 +126,11 @@ bool Stream::bind_fds(Message& m) {
     listener_->on_stream_refused(*this, std::move(m), why);
     return false;
   }
-  if (batch.fds.size() != prefix->fd_count) {
-    bad.error = fmt::format("SF frame declares {} fds but {} arrived with it", prefix->fd_count,
-                            batch.fds.size());
-    protocol_error(bad);
-    return false;
-  }
   if (prefix->memfd_body()) {
     std::string err;
-    auto body = SealedMemfd::adopt(std::move(batch.fds.front()), err, account_,
+    auto body = SealedMemfd::adopt(std::move(fds.front()), err, account_,
                                    opts_.untrusted ? MemfdCharge::kWithinLimits : MemfdCharge::kAlways);
-    batch.fds.erase(batch.fds.begin());
+    fds.erase(fds.begin());
     if (body && body->size() > opts_.max_message_size)
       err = fmt::format("message too large: {} bytes exceeds the maximum of {}", body->size(),
                         opts_.max_message_size);
@@ -113,7 +141,7 @@ bool Stream::bind_fds(Message& m) {
     }
     m.sealed_body = std::move(body);
   }
-  m.fds = FdSet(std::move(batch.fds));
+  m.fds = FdSet(std::move(fds));
   return true;
 }
 
@@ -193,20 +221,19 @@ void Stream::push_fd_frame(Message&& m, std::size_t charged,
   const std::size_t nfds = m.fds.size();
   FdPrefix prefix{m.header.enc, static_cast<std::uint16_t>(nfds + (body ? 1 : 0)),
                   body ? kFdFlagMemfdBody : std::uint16_t{0}};
-  auto prefix_bytes = encode_fd_prefix(prefix);
   TxFrame f;
-  f.body = Payload::copy_of(std::span<const std::uint8_t>(prefix_bytes));
-  if (!body)
-    for (const Slice& sl : m.data.slices()) f.body.append(sl);
+  f.prefix = encode_fd_prefix(prefix);  // made a batch head, or not, when written (TxQueue::gather)
+  f.prefixed = true;
+  if (!body) f.body = m.data;
   Header h = m.header;
   h.enc = kEncFds;
-  h.length = static_cast<std::uint32_t>(f.body.size());
+  h.length = static_cast<std::uint32_t>(f.body_size());
   f.header = encode_header(h);
   if (body) f.wire_fds.push_back(body->fd());
   for (int fd : m.fds.raw()) f.wire_fds.push_back(fd);
   f.fds_hold = m.fds;
   f.body_hold = body;
-  const std::size_t wire = kHeaderSize + f.body.size() + (body ? body->size() : 0);
+  const std::size_t wire = kHeaderSize + f.body_size() + (body ? body->size() : 0);
   if (charged < wire) port_->gauge.charge(wire - charged);
   f.charged = wire;
   f.original = std::make_unique<Message>(std::move(m));
@@ -215,9 +242,10 @@ void Stream::push_fd_frame(Message&& m, std::size_t charged,
 }
 
 // sendmsg refused the fds of the frame at the head of the queue (nothing of
-// it was written): that message fails alone, with the reason, and the rest of
-// the queue goes on. Errors that are not about the fds close the stream as
-// usual (returns false).
+// it was written, and it was the only SF frame of that write: a batch is
+// retried frame by frame first): that message fails alone, with the reason,
+// and the rest of the queue goes on. Errors that are not about the fds close
+// the stream as usual (returns false).
 bool Stream::send_fd_frame_failed(int err) {
   if (err != ETOOMANYREFS && err != EMFILE && err != ENFILE && err != EINVAL && err != EBADF)
     return false;

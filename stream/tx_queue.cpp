@@ -52,7 +52,9 @@ BlockPool& pool() {
 
 }  // namespace
 
-std::size_t TxFrame::body_size() const { return streamed ? streamed->size() : body.size(); }
+std::size_t TxFrame::body_size() const {
+  return (prefixed ? kFdPrefixSize : 0) + (streamed ? streamed->size() : body.size());
+}
 
 TxQueue::~TxQueue() { clear(); }
 
@@ -159,7 +161,7 @@ void TxQueue::unmap_window(Entry& e) {
   e.window_len = 0;
 }
 
-TxQueue::Gather TxQueue::gather(iovec* iov, int max) {
+TxQueue::Gather TxQueue::gather(iovec* iov, int max, bool fd_batches) {
   Gather g;
   std::uint64_t pos = head_;
   std::size_t fi = 0;  // next entry to consider
@@ -174,6 +176,12 @@ TxQueue::Gather TxQueue::gather(iovec* iov, int max) {
     }
     g.bytes += n;
   };
+  // Adds bytes [skip, skip + n) of a span of `n`; returns what is left of skip.
+  auto add_part = [&](const std::uint8_t* p, std::size_t n, std::size_t skip) {
+    if (skip >= n) return skip - n;
+    add(p + skip, n - skip);
+    return std::size_t{0};
+  };
   while (g.iovcnt < max) {
     std::uint64_t stop = fi < frames_.size() ? frames_[fi].at : tail_;
     while (pos < stop && g.iovcnt < max) {
@@ -185,18 +193,21 @@ TxQueue::Gather TxQueue::gather(iovec* iov, int max) {
     if (pos < stop || fi >= frames_.size()) break;
     Entry& e = frames_[fi];
     TxFrame& f = e.frame;
-    if (f.needs_fds_now()) {
-      if (g.bytes > 0) break;  // its fds go with its first byte: a write of its own
-      g.with_fds = &f;
-    }
     // A frame that would not fit whole waits for the next write, unless it is
     // first (then it goes in parts).
-    if (g.bytes > 0 && g.iovcnt + 2 + static_cast<int>(f.body.slices().size()) > max) break;
-    std::size_t skip = e.sent;
-    if (f.has_header) {
-      if (skip < kHeaderSize) add(f.header.data() + skip, kHeaderSize - skip);
-      skip = skip > kHeaderSize ? skip - kHeaderSize : 0;
+    if (g.bytes > 0 && g.iovcnt + 3 + static_cast<int>(f.body.slices().size()) > max) break;
+    if (f.needs_fds_now()) {
+      // Its fds go with its first byte: it starts a write of its own, or
+      // joins the batch the write began with.
+      const bool joins = fd_batches && !g.fd_frames.empty() &&
+                         g.fds + f.wire_fds.size() <= kMaxFdsPerMessage;
+      if (g.bytes > 0 && !joins) break;
+      g.fd_frames.push_back(&f);
+      g.fds += f.wire_fds.size();
     }
+    std::size_t skip = e.sent;
+    if (f.has_header) skip = add_part(f.header.data(), kHeaderSize, skip);
+    if (f.prefixed) skip = add_part(f.prefix.data(), kFdPrefixSize, skip);
     if (f.streamed) {
       const std::size_t size = f.streamed->size();
       if (skip < size && g.iovcnt < max) {
@@ -209,15 +220,24 @@ TxQueue::Gather TxQueue::gather(iovec* iov, int max) {
     } else {
       for (const Slice& sl : f.body.slices()) {
         if (g.iovcnt == max) break;
-        if (skip >= sl.size) {
-          skip -= sl.size;
-          continue;
-        }
-        add(sl.data + skip, sl.size - skip);
-        skip = 0;
+        skip = add_part(sl.data, sl.size, skip);
       }
     }
     ++fi;
+  }
+  // Only now is the batch known: its first frame says how many fds it holds
+  // (none of these prefixes has been written yet: their fds are unsent).
+  for (std::size_t i = 0; i < g.fd_frames.size(); ++i) {
+    TxFrame& f = *g.fd_frames[i];
+    if (!f.prefixed) continue;
+    const bool head = i == 0 && g.fd_frames.size() > 1;
+    std::uint16_t flags = static_cast<std::uint16_t>((f.prefix[4] << 8 | f.prefix[5]) & ~kFdFlagBatchHead);
+    if (head) flags |= kFdFlagBatchHead;
+    const std::uint16_t total = head ? static_cast<std::uint16_t>(g.fds) : 0;
+    f.prefix[4] = static_cast<std::uint8_t>(flags >> 8);
+    f.prefix[5] = static_cast<std::uint8_t>(flags);
+    f.prefix[6] = static_cast<std::uint8_t>(total >> 8);
+    f.prefix[7] = static_cast<std::uint8_t>(total);
   }
   return g;
 }

@@ -18,6 +18,7 @@
 // the Account, which the stream keeps alive.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -27,6 +28,7 @@
 #include <boost/container/small_vector.hpp>
 
 #include "stream/account.h"
+#include "stream/fd_frame.h"
 #include "spindle/fds.h"
 #include "spindle/frame.h"
 #include "spindle/message.h"
@@ -56,8 +58,12 @@ struct TxFrame {
   std::shared_ptr<const SealedMemfd> streamed;
   std::size_t charged = 0;  // high-water-mark bytes, released once written
   std::size_t skip = 0;     // bytes of it already written (by an application thread)
-  // SF frames: the fds to pass with the first byte, held open until sent,
-  // and the message as it was queued (so its sender can be told of a refusal).
+  // SF frames: the prefix (sent between header and body, and marked as a
+  // batch head when the write that carries it carries the fds of several
+  // frames), the fds to pass with the first byte, held open until sent, and
+  // the message as it was queued (so its sender can be told of a refusal).
+  std::array<std::uint8_t, kFdPrefixSize> prefix{};
+  bool prefixed = false;
   boost::container::small_vector<int, 4> wire_fds;
   FdSet fds_hold;
   std::shared_ptr<const SealedMemfd> body_hold;
@@ -115,12 +121,18 @@ class TxQueue {
   struct Gather {
     int iovcnt = 0;
     std::size_t bytes = 0;
-    TxFrame* with_fds = nullptr;  // the first frame's fds go with this write
-    std::string error;            // a streamed memfd could not be mapped
+    // The SF frames whose fds go with this write (the first of them is its
+    // first byte), and how many fds that is.
+    boost::container::small_vector<TxFrame*, 8> fd_frames;
+    std::size_t fds = 0;
+    std::string error;  // a streamed memfd could not be mapped
   };
   // Builds iovecs for the next write from the head. A frame with fds starts
-  // a write of its own, and no write holds two of them.
-  Gather gather(iovec* iov, int max);
+  // a write of its own. With `fd_batches` (the peer binds fds by count) the
+  // SF frames after it join that write, their fds with its own, up to 253
+  // fds, and the first is marked as the batch head; without, no write holds
+  // two of them.
+  Gather gather(iovec* iov, int max, bool fd_batches = false);
   // Consumes `n` written bytes; returns the high-water-mark bytes released.
   std::size_t advance(std::size_t n);
   // The frame at the head, if the next byte belongs to a TxFrame entry.

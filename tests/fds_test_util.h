@@ -46,6 +46,18 @@ inline std::pair<dev_t, ino_t> fd_identity(int fd) {
   return {st.st_dev, st.st_ino};
 }
 
+// The identities of a set of fds, in order.
+inline std::vector<std::pair<dev_t, ino_t>> identities(const std::vector<UniqueFd>& fds) {
+  std::vector<std::pair<dev_t, ino_t>> ids;
+  for (const UniqueFd& f : fds) ids.push_back(fd_identity(f.get()));
+  return ids;
+}
+inline std::vector<std::pair<dev_t, ino_t>> identities(const FdSet& fds) {
+  std::vector<std::pair<dev_t, ino_t>> ids;
+  for (int fd : fds.raw()) ids.push_back(fd_identity(fd));
+  return ids;
+}
+
 inline bool has_cloexec(int fd) {
   int fl = ::fcntl(fd, F_GETFD);
   return fl >= 0 && (fl & FD_CLOEXEC);
@@ -85,7 +97,8 @@ inline bool send_with_fds(int sock, std::span<const std::uint8_t> bytes, std::sp
 
 // The wire bytes of an SF frame: header, prefix, inline body.
 inline std::vector<std::uint8_t> sf_frame(std::uint32_t handle, std::uint16_t fd_count,
-                                          const std::string& body, std::uint16_t flags = 0) {
+                                          const std::string& body, std::uint16_t flags = 0,
+                                          std::uint16_t batch_fds = 0) {
   Header h;
   h.enc = kEncFds;
   h.dst_id = 1;
@@ -94,7 +107,7 @@ inline std::vector<std::uint8_t> sf_frame(std::uint32_t handle, std::uint16_t fd
   h.reply_to = 5000;
   h.length = static_cast<std::uint32_t>(kFdPrefixSize + body.size());
   HeaderBytes hb = encode_header(h);
-  auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, fd_count, flags});
+  auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, fd_count, flags, batch_fds});
   std::vector<std::uint8_t> v(kHeaderSize + kFdPrefixSize + body.size());
   std::memcpy(v.data(), hb.data(), kHeaderSize);
   std::memcpy(v.data() + kHeaderSize, prefix.data(), kFdPrefixSize);

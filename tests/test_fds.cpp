@@ -37,18 +37,6 @@ namespace test_fds {
 using namespace std::chrono_literals;
 using namespace testutil;
 
-std::vector<std::pair<dev_t, ino_t>> identities(const std::vector<UniqueFd>& fds) {
-  std::vector<std::pair<dev_t, ino_t>> ids;
-  for (const UniqueFd& f : fds) ids.push_back(fd_identity(f.get()));
-  return ids;
-}
-
-std::vector<std::pair<dev_t, ino_t>> identities(const FdSet& fds) {
-  std::vector<std::pair<dev_t, ino_t>> ids;
-  for (int fd : fds.raw()) ids.push_back(fd_identity(fd));
-  return ids;
-}
-
 Message with_fds(std::uint32_t handle, const std::string& body, std::vector<UniqueFd> fds) {
   Message m = make_msg(handle, body);
   m.fds = FdSet(std::move(fds));

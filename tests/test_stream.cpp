@@ -548,9 +548,9 @@ TEST(StreamHandshake, ServerHandsOverFrameSentWithHello) {
   // The welcome, then the held message.
   std::vector<std::uint8_t> welcome(kWelcomeSize);
   ASSERT_TRUE(testutil::read_exact(sp.b, welcome.data(), welcome.size()));
-  // On a socket the server announces that it takes fds.
-  EXPECT_EQ(welcome, encode_welcome(kFlagFdPassing, 42, 1, static_cast<std::uint32_t>(::getpid()),
-                                    kDefaultMaxMessageSize));
+  // On a socket the server announces that it takes fds, in batches too.
+  EXPECT_EQ(welcome, encode_welcome(kFlagFdPassing | kFlagFdBatches, 42, 1,
+                                    static_cast<std::uint32_t>(::getpid()), kDefaultMaxMessageSize));
   FrameReader reader(sp.b);
   auto m = reader.next();
   ASSERT_TRUE(m.has_value());
@@ -567,7 +567,7 @@ TEST(StreamHandshake, ClientHandsOverFrameSentWithWelcome) {
   h.make(sp.a, sp.a, &rec, {}, std::make_unique<ClientHandshake>(777));
   std::vector<std::uint8_t> hello(kHelloSize);
   ASSERT_TRUE(testutil::read_exact(sp.b, hello.data(), hello.size()));
-  EXPECT_EQ(hello, encode_hello(kProtocolVersion, kFlagFdPassing, 777));
+  EXPECT_EQ(hello, encode_hello(kProtocolVersion, kFlagFdPassing | kFlagFdBatches, 777));
 
   auto bytes = concat(encode_welcome(kFlagNone, 9, 3, 555, 1u << 20),
                       frame_bytes(2002, "rides with the welcome"));
