@@ -102,8 +102,18 @@ class Pairs {
     if (error) std::rethrow_exception(error);
     {
       std::unique_lock lk(mu_);
-      if (!cv_.wait_until(lk, std::chrono::steady_clock::now() + std::chrono::seconds(120), [&] { return finished_; }))
-        throw std::runtime_error(kErrPairsLost);
+      if (!cv_.wait_until(lk, std::chrono::steady_clock::now() + std::chrono::seconds(120), [&] { return finished_; })) {
+        // Say how far each short receiver got (read without its broker
+        // thread's ordering: a report, not a check).
+        std::string detail;
+        for (std::size_t i = 0; i < inboxes_.size() && detail.size() < 2000; ++i) {
+          const Inbox& b = *inboxes_[i];
+          const std::uint64_t got = b.got;
+          if (got < b.target.load())
+            detail += fmt::format("; pair {} received {} of {}", i, got - sent_, per_pair);
+        }
+        throw std::runtime_error(kErrPairsLost + detail);
+      }
     }
     sent_ += per_pair;
     for (auto& b : inboxes_)

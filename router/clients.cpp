@@ -88,6 +88,8 @@ std::vector<ClientStats> Router::client_stats() {
       c.memory_held = l->stream->account()->held();
       c.memory_peak = l->stream->account()->peak();
       c.paused = l->stream->reading_paused();
+      c.held = l->stream->held_for_peer();
+      c.holds = st.peer_holds;
       out.push_back(std::move(c));
     }
     return out;

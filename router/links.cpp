@@ -242,6 +242,9 @@ void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsen
   links_.erase(it);
   links_by_port_.erase(link->port_serial);
   s.set_tag(nullptr);
+  // Whoever waited for its queue to drain is read again (their frames for it
+  // now find no route).
+  release_held(*link);
   const bool was_parent = link.get() == parent_;
   std::vector<std::uint32_t> gone(link->behind.begin(), link->behind.end());
   for (std::uint32_t id : gone) remove_route(id);

@@ -94,6 +94,8 @@ struct ClientStats {
   std::size_t queued_bytes = 0;
   std::size_t memory_held = 0, memory_peak = 0;  // its Account
   bool paused = false;          // not read: over its memory limit
+  bool held = false;            // not read: a destination of its frames is over its mark
+  std::uint64_t holds = 0;      // times that happened
 };
 
 struct RouterStats {
@@ -215,6 +217,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void on_stream_batch_end(Stream& s) override;
   void on_stream_invalid(Stream& s, const ParseResult& r) override;
   void on_stream_refused(Stream& s, Message&& m, const std::string& reason) override;  // fds.cpp
+  void on_stream_below_mark(Stream& s) override;
   void on_stream_closed(Stream& s, const std::string& reason, Unsent unsent) override;
   // ShutdownParticipant (broker thread)
   void on_shutdown_begin() override;
@@ -240,6 +243,9 @@ class Router : public StreamListener, public ShutdownParticipant {
     LogBudget log_budget;
     std::function<std::string(const std::string&)> explain_close;  // set_close_explainer()
     std::uint64_t refusals = 0;                 // since the last summary line
+    // Links not read until this one's output queue is under its mark again:
+    // they sent it fire-and-forget frames past the mark (forward.cpp).
+    std::vector<std::weak_ptr<Stream>> holding;
     std::chrono::steady_clock::time_point refusal_logged_at{};
     // fds this peer has in flight through us (released as they are written).
     std::shared_ptr<std::atomic<std::size_t>> fds_in_flight =
@@ -278,6 +284,10 @@ class Router : public StreamListener, public ShutdownParticipant {
   void note_egress(Link& in, std::uint32_t dst);
   Link* forward_target(Link& in, const Header& h, std::size_t body);
   void refuse_full(Link& out, const Header& h);
+  // `out` is over its mark: a frame that wants an answer is refused with a
+  // dead reply; any other is queued anyway and `in` is held (false: refused).
+  bool over_mark(Link& in, Link& out, const Header& h, std::size_t charge);
+  void release_held(Link& out);
   void forward(Link& in, InFrame& f);
   void dispatch_local(Message&& m);
   void complete_call(Message&& m);

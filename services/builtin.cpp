@@ -45,10 +45,11 @@ std::string format_stats(Router& router, Listener* listener) {
   for (const ClientStats& c : clients)
     out += fmt::format(
         "client id={} name={} dialect={} pid={} uid={} messages_in={} messages_out={} "
-        "bytes_in={} bytes_out={} queued_bytes={} memory_held={} memory_peak={} paused={}\n",
+        "bytes_in={} bytes_out={} queued_bytes={} memory_held={} memory_peak={} paused={} held={} "
+        "holds={}\n",
         c.id, c.name, c.dialect == Dialect::kMitogen ? "mitogen" : "spindle", c.pid, c.uid,
         c.messages_in, c.messages_out, c.bytes_in, c.bytes_out, c.queued_bytes, c.memory_held,
-        c.memory_peak, c.paused ? 1 : 0);
+        c.memory_peak, c.paused ? 1 : 0, c.held ? 1 : 0, c.holds);
   return out;
 }
 

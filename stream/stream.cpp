@@ -360,11 +360,36 @@ void Stream::hold_input(std::chrono::milliseconds d) {
   });
 }
 
+void Stream::hold_for_peer() {
+  if (state_ == StreamState::kClosed) return;
+  if (peer_holds_++ == 0) ++stats_.peer_holds;
+}
+
+void Stream::release_peer_hold() {
+  if (peer_holds_ == 0 || --peer_holds_ > 0 || state_ == StreamState::kClosed) return;
+  // Frames may be left from the batch the hold cut short: they go first.
+  input_left_ = true;
+  queue_input_turn();
+}
+
+void Stream::notify_below_mark() {
+  if (state_ == StreamState::kClosed) return;
+  watch_mark_ = true;
+  // Already under it (written since the charge): say so now.
+  note_below_mark();
+}
+
+void Stream::note_below_mark() {
+  if (!watch_mark_ || port_->gauge.queued() >= port_->gauge.high_water_mark()) return;
+  watch_mark_ = false;
+  listener_->on_stream_below_mark(*this);
+}
+
 // Waits for readability, then reads. async_wait costs an epoll_ctl(MOD), so
 // it is used only when the last read came up short (the socket is probably
 // empty); after a full read the next read is posted instead.
 void Stream::arm_read() {
-  if (read_armed_ || input_held_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_)
+  if (read_armed_ || input_stopped() || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_)
     return;
   if (over_limit()) return;
   read_armed_ = true;
@@ -381,7 +406,7 @@ void Stream::arm_read() {
 }
 
 void Stream::do_read() {
-  if (input_held_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  if (input_stopped() || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
   if (over_limit()) return;
   // The kernel ends a read at each message that carries fds. Up to
   // kReadsAfterFds more reads follow in this turn while reads keep ending
@@ -475,7 +500,7 @@ void Stream::on_read(bool filled) {
 // turn (frames left over, or the next read) queues behind the other ready
 // handlers, and Asio polls epoll once per pass over that queue.
 void Stream::queue_input_turn() {
-  if (read_armed_ || input_held_ || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_)
+  if (read_armed_ || input_stopped() || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_)
     return;
   read_armed_ = true;
   ++t_queued_input_turns;
@@ -549,7 +574,7 @@ bool Stream::process_input() {
     }
   } batch(*this);
   while (state_ != StreamState::kClosed) {
-    if (input_held_) return true;  // what is left waits for the hold's end
+    if (input_stopped()) return true;  // what is left waits for the hold's end
     if (budget-- == 0) return true;
     ParseResult r = parser_->next(f);
     if (r.status == ParseStatus::kNeedMore) {
@@ -717,7 +742,10 @@ void Stream::flush() {
     }
     stats_.fds_out += g.fds;
     std::size_t released = tx_.advance(static_cast<std::size_t>(n));
-    if (released) port_->gauge.release(released);
+    if (released) {
+      port_->gauge.release(released);
+      note_below_mark();
+    }
     stats_.messages_out = tx_.frames_written();
     if (static_cast<std::size_t>(n) < g.bytes) return arm_write();
   }

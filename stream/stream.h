@@ -104,6 +104,8 @@ class StreamListener {
   // only lost fds (this process is out of them: an error); the listener logs
   // the rest, at a rate a peer cannot drive (the default logs each one).
   virtual void on_stream_refused(Stream& s, Message&& m, const std::string& reason);
+  // After notify_below_mark(): the output queue is under its high-water mark.
+  virtual void on_stream_below_mark(Stream&) {}
   // Exactly once. `unsent` is what was still queued, so its senders can be
   // told it was not delivered.
   virtual void on_stream_closed(Stream& s, const std::string& reason, Unsent unsent) = 0;
@@ -147,6 +149,7 @@ struct StreamStats {
   std::uint64_t read_pauses = 0;  // times reading stopped for the memory limit
   std::uint64_t read_waits = 0;   // times reading waited for readability (epoll)
   std::uint64_t read_turns = 0;   // broker turns that read from the socket
+  std::uint64_t peer_holds = 0;   // times reading stopped for a destination over its mark
 };
 
 class Stream : public std::enable_shared_from_this<Stream> {
@@ -201,11 +204,22 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // announced kFlagFdBatches).
   bool peer_takes_fd_batches() const;
   bool reading_paused() const { return paused_; }
+  bool held_for_peer() const { return peer_holds_ > 0; }
   // Reads and delivers nothing from the peer for `d`, from the next frame on
   // (the rest of this batch waits too): backpressure on a peer that goes over
   // a rate the listener enforces, so its excess costs us no work at all.
   // Broker thread only.
   void hold_input(std::chrono::milliseconds d);
+  // Reads nothing from the peer until as many release_peer_hold() calls as
+  // holds (from the next frame on): the listener queued one of its frames
+  // for a destination already over its high-water mark (backpressure: the
+  // peer's own sends then wait in the kernel and in its sender's gauge, and
+  // nothing is dropped). Broker thread only.
+  void hold_for_peer();
+  void release_peer_hold();
+  // The listener hears on_stream_below_mark() once, when this stream's output
+  // queue is next under its high-water mark (at once if it is now).
+  void notify_below_mark();
   // The owner's own pointer (the Router's link), so it needs no lookup per frame.
   void set_tag(void* t) { tag_ = t; }
   void* tag() const { return tag_; }
@@ -297,6 +311,10 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool last_read_filled_ = false;  // more is likely waiting in the socket
   bool paused_ = false;           // reading stopped: the account is over its limit
   bool input_held_ = false;       // reading stopped by hold_input() until hold_timer_
+  std::uint32_t peer_holds_ = 0;  // hold_for_peer() not yet released
+  bool watch_mark_ = false;       // notify_below_mark() asked
+  bool input_stopped() const { return input_held_ || peer_holds_ > 0; }
+  void note_below_mark();
   bool eof_seen_ = false, write_shut_ = false;
   bool drain_started_here_ = false;  // we said goodbye first (vs. answering the peer's)
   bool close_after_flush_ = false;  // protocol error: stop reading, flush, close

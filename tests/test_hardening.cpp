@@ -70,8 +70,10 @@ TEST_F(Hardening, DeadReplyFloodAtANonReaderIsChargedBoundedAndLoggedOnce) {
   expect_served("a dead-reply flood");
 }
 
-// §1: a peer that never reads its queue. Another client's messages to it are
-// refused once its queue is full; the router's memory stays near the limit
+// §1: a peer that never reads its queue. Another client's one-way messages
+// to it are queued up to its mark, then the router stops reading the sender
+// (backpressure: none is dropped), and a frame that wants an answer is
+// refused with the reason. The router's memory stays near the limits
 // (before the fix: "output queue full" came at +525 MiB of RSS for 64 MiB).
 TEST_F(Hardening, QueuedFramesAreChargedAtWhatTheyCostNotTheirPayload) {
   // The stall timeout is long: the sink must still be there, full, below.
@@ -83,30 +85,41 @@ TEST_F(Hardening, QueuedFramesAreChargedAtWhatTheyCostNotTheirPayload) {
   const std::uint32_t src_id = id_;
   std::string burst;
   for (int i = 0; i < 4096; ++i) burst += frame_bytes(frame(sink_id, id_, id_, kEcho, 0), "12345678");
-  // Until the sink's queue is full (the router's socket buffers towards it
-  // take about 8 MiB first): a few seconds, longer under a sanitizer (a
-  // fixed 3 s flood was too short under TSan, and the test failed in CI).
-  auto full = [&] { return logged(reason::kQueueFull, 0ms) || logged("refusal", 0ms); };
+  // Until the router stops reading src (the sink's socket buffers take about
+  // 8 MiB first, then its queue its 4 MiB mark): a few seconds, longer under
+  // a sanitizer.
+  auto held = [&] { return stats_field(client_line(src_id), " held=") == 1; };
   for (auto until = std::chrono::steady_clock::now() + 90s;
-       !full() && std::chrono::steady_clock::now() < until;)
+       !held() && std::chrono::steady_clock::now() < until;)
     flood(src, burst, 1s, 3s, kHeaderSize + 8);
   const long peak = rss_kib();
   const long long charged = memory_peak();
-  std::printf("router VmRSS %ld -> %ld KiB, memory_peak %lld bytes\n", before, peak, charged);
+  std::printf("router VmRSS %ld -> %ld KiB, memory_peak %lld bytes\n%s\n", before, peak, charged,
+              router_stats_text(socket()).c_str());
+  ASSERT_TRUE(held()) << "the router never stopped reading a sender whose destination was full\n"
+                      << router_stats_text(socket()) << router_->log();
   // Two peers with 8 MiB limits: the sink's queue and the source's pinned
   // chunks, plus one chunk each.
   EXPECT_LE(charged, 2 * ((8 << 20) + (1 << 20))) << "the router held more than the peers' limits";
   if (kRssIsMeaningful) {
     EXPECT_LT(peak - before, 48 * 1024) << "small queued frames cost more than they were charged";
   }
-  EXPECT_TRUE(full()) << router_->log();
-  // A frame that wants an answer is refused with a dead reply that says why.
-  src.send_frame(frame(sink_id, src_id, src_id, kEcho, 77), "12345678");
+  EXPECT_FALSE(logged(reason::kQueueFull, 0ms)) << "one-way frames were refused (dropped)\n" << router_->log();
+  // A frame that wants an answer is refused with a dead reply that says why
+  // (from a third client: src itself is not read now).
+  RawPeer asker = raw_client();
+  asker.send_frame(frame(sink_id, id_, id_, kEcho, 77), "12345678");
   Message dead;
-  ASSERT_TRUE(src.read_frame_for(src_id, 77, dead, 20s)) << router_->log();
+  ASSERT_TRUE(asker.read_frame_for(id_, 77, dead, 20s)) << router_->log();
   EXPECT_TRUE(dead.is_dead());
   EXPECT_NE(dead.text().find(reason::kQueueFull), std::string::npos) << dead.text();
   expect_served("a full queue");
+  // The sink goes: src is read again (what it still sends to the sink now
+  // finds no route).
+  ::close(sink.fd);
+  sink.fd = -1;
+  EXPECT_TRUE(eventually([&] { return !held(); }, 30s)) << client_line(src_id) << "\n" << router_->log();
+  EXPECT_GE(stats_field(client_line(src_id), " holds="), 1);
 }
 
 // §1: a memfd body for the router itself is mapped only once its handler is

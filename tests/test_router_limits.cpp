@@ -20,6 +20,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -302,6 +303,42 @@ TEST_F(RouterLimitsProcess, ControlMessagesQueuedForANonReaderAreChargedToItAndB
     return stats_field(router_stats_text(socket()), " memory_held=") < static_cast<long long>(queued);
   }, 30s)) << router_stats_text(socket());
   expect_served("DEL_ROUTEs queued for a non-reader");
+}
+
+// §1 backpressure: one-way frames to a client that reads slowly are never
+// dropped. The receiver reads nothing for a second while the sender pushes
+// 20 MB (more than the sockets and the 64 KiB mark hold): the router stops
+// reading the sender instead of refusing its frames, and every frame arrives,
+// in order. Before, the router dropped (and only counted) what went over the
+// receiver's mark: bench_router's one-pair run lost up to 18,000 of 600,000.
+TEST_F(RouterLimitsProcess, OneWayFramesToASlowReaderWaitAndAreNeverDropped) {
+  start({"--high-water-mark", "64K"});
+  RawPeer rx = raw_client();
+  const std::uint32_t rx_id = id_;
+  RawPeer tx = raw_client();
+  const std::uint32_t tx_id = id_;
+  constexpr std::uint32_t kFrames = 20000;
+  const std::string pad(1000, 'x');
+  std::string bytes;
+  for (std::uint32_t i = 0; i < kFrames; ++i)
+    bytes += frame_bytes(frame(rx_id, tx_id, tx_id, 4321, 0), fmt::format("{:08}", i) + pad);
+  std::thread writer([&] { tx.write_all(bytes); });  // blocks while the router holds tx
+  std::this_thread::sleep_for(1s);
+  const std::string tx_line = client_line(tx_id);
+  std::uint32_t next = 0;
+  while (next < kFrames) {
+    Message m;
+    if (!rx.read_frame(m, 30s)) break;
+    if (m.header.handle != 4321) continue;
+    ASSERT_EQ(m.text().substr(0, 8), fmt::format("{:08}", next)) << "lost or out of order";
+    ++next;
+  }
+  writer.join();
+  EXPECT_EQ(next, kFrames) << router_->log();
+  std::printf("while the receiver did not read: %s\n", tx_line.c_str());
+  EXPECT_EQ(stats_field(tx_line, " held="), 1) << tx_line;
+  EXPECT_FALSE(logged(reason::kQueueFull, 0ms)) << router_->log();
+  expect_served("a one-way flood to a slow reader");
 }
 
 }  // namespace test_router_limits
