@@ -1,11 +1,12 @@
 // Helpers for the fd-passing and memfd tests (test_fds.cpp, test_memfd.cpp):
 // identifying an fd by what it refers to, counting this process's fds,
-// listing /dev/shm, writing frames with SCM_RIGHTS from a raw far end, and a
-// Recorder that also records refusals.
+// listing /dev/shm, writing frames with SCM_RIGHTS from a raw far end, using
+// up a process's fds, and a Recorder that also records refusals.
 #pragma once
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -71,6 +72,20 @@ inline std::set<std::string> dev_shm_entries() {
     ::closedir(d);
   }
   return names;
+}
+
+// For a child process: lowers RLIMIT_NOFILE to 64 and opens /dev/null into
+// `into` until no fd is left, then gives `spare` of them back, so that the
+// next fds received find exactly `spare` free slots.
+inline void use_up_fds_but(std::size_t spare, std::vector<UniqueFd>& into) {
+  rlimit lim{64, 64};
+  ::setrlimit(RLIMIT_NOFILE, &lim);
+  for (;;) {
+    UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (!f) break;
+    into.push_back(std::move(f));
+  }
+  for (std::size_t i = 0; i < spare && !into.empty(); ++i) into.pop_back();
 }
 
 // `n` fds of fresh pipes' read ends (the write ends are closed).

@@ -275,14 +275,7 @@ TEST(FdBatches, FdsDroppedFromTheTailOfABatchFailOnlyTheirOwnFrames) {
       std::vector<UniqueFd> gate = m.fds.take_all();
       const int go = gate.at(0).get();
       for (UniqueFd& f : gate) fillers->push_back(std::move(f));
-      rlimit lim{64, 64};
-      ::setrlimit(RLIMIT_NOFILE, &lim);
-      for (;;) {
-        UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-        if (!f) break;
-        fillers->push_back(std::move(f));
-      }
-      for (int i = 0; i < 3; ++i) fillers->pop_back();  // exactly three to spare
+      use_up_fds_but(3, *fillers);
       char b;
       (void)!::read(go, &b, 1);
       r.reply(m, Payload::copy_of(std::string("full")));

@@ -333,17 +333,9 @@ TEST(FdsRouter, ReceiverOutOfFdsGivesTheSenderANamedDeadReplyAndLogs) {
     Router& r = env.router();
     auto fillers = std::make_shared<std::vector<UniqueFd>>();
     r.add_handler([&r, fillers](Message&& m) {
-      rlimit lim{64, 64};
-      ::setrlimit(RLIMIT_NOFILE, &lim);
-      for (;;) {
-        UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-        if (!f) break;
-        fillers->push_back(std::move(f));
-      }
       // Exactly two slots left: of three fds sent, the kernel installs two
       // and drops one. (Sanitizer runtimes also need a free fd now and then.)
-      fillers->pop_back();
-      fillers->pop_back();
+      use_up_fds_but(2, *fillers);
       r.reply(m, Payload::copy_of(std::string("full")));
     }, {}, kFill);
     r.add_handler([&r, fillers](Message&& m) {
