@@ -153,6 +153,10 @@ bool Router::over_mark(Link& in, Link& out, const Header& h, std::size_t charge)
     return false;
   }
   out.stream->gauge().charge(charge);
+  // Links that closed meanwhile go, so the list never outgrows the links
+  // there are (a client could connect, send one frame and leave, again and
+  // again, while the destination stays full).
+  std::erase_if(out.holding, [](const std::weak_ptr<Stream>& w) { return w.expired(); });
   for (const auto& w : out.holding)
     if (w.lock() == in.stream) return true;  // held already, until the same release
   in.stream->hold_for_peer();
