@@ -99,7 +99,9 @@ class ChildEnv {
   void expose_encoded(std::string_view name, Allow allow, std::function<Payload(const Payload&)> fn);
 
   // Declares the handlers registered: messages that waited for them are
-  // dispatched (or answered "invalid handle"). Idempotent.
+  // dispatched (or answered "invalid handle"). With functions exposed and
+  // serve() not begun yet, it leaves that to serve(): calls to the exposed
+  // functions wait for it rather than being refused. Idempotent.
   void ready();
   // ready(), then runs exposed functions on this thread until the parent
   // asks this context to shut down or the parent link is lost. Returns 0,

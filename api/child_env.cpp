@@ -54,7 +54,14 @@ Context ChildEnv::parent() {
   return Context(router_, *pid, "parent");
 }
 
-void ChildEnv::ready() { router_.hold_unknown_handles(false); }
+void ChildEnv::ready() {
+  // Functions are exposed but not served yet: what callers send them waits
+  // for serve(), which declares readiness once its host is registered.
+  // (Released here, a call that came between ready() and serve() was
+  // answered "invalid handle: 110": python.test_router failed so once.)
+  if (exposed_ && !exposed_->host && broker_.accepting()) return;
+  router_.hold_unknown_handles(false);
+}
 
 void ChildEnv::expose_encoded(std::string_view name, Allow allow,
                               std::function<Payload(const Payload&)> fn) {

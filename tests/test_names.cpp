@@ -4,6 +4,7 @@
 // client.
 #include <algorithm>
 #include <cctype>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
@@ -79,6 +80,26 @@ TEST_F(Names, ANameGoesWithItsClient) {
   EXPECT_TRUE(eventually([&] { return client.find("short-lived").empty(); }, 10s));
   Worker again(socket(), "short-lived");  // the name is free again
   EXPECT_EQ(client.find("short-lived").at(0).call(upper, "x"), "short-lived:X");
+}
+
+// A worker that exposed its functions and said ready() before it serves:
+// a call that arrives in between waits for serve() instead of being refused
+// (before, it was answered "invalid handle: 110"; python.test_router's worker
+// does exactly this, and failed once in CI).
+TEST_F(Names, ACallBetweenReadyAndServeWaitsForServe) {
+  Connection worker = Connection::open(socket(), {.name = "late-server"});
+  worker.expose(upper, [](std::string s) { return "late:" + s; }, Allow::kAnyone);
+  worker.ready();
+  Connection client = Connection::open(socket());
+  std::vector<Context> found = client.find("late-server");
+  ASSERT_EQ(found.size(), 1u);
+  auto answer = std::async(std::launch::async, [&] { return found[0].call(upper, "x"); });
+  // The call reaches the worker and waits there.
+  EXPECT_EQ(answer.wait_for(300ms), std::future_status::timeout);
+  std::thread serving([&] { worker.serve(); });
+  EXPECT_EQ(answer.get(), "late:x");
+  worker.close();
+  serving.join();
 }
 
 }  // namespace test_names

@@ -332,6 +332,7 @@ class Connection(_Endpoint):
         self._serving_env().expose(name, fn, anyone)
 
     def ready(self):
+        """Declares the functions exposed before serving: calls to them wait for serve()."""
         self._serving_env().ready()
 
     def serve(self):
