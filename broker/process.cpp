@@ -46,8 +46,9 @@ std::optional<int> ChildProcess::wait(std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
     if (auto st = reap()) return st;
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
+    // Rounded up: poll() counts whole milliseconds, and a wait truncated to
+    // them gave up to 1 ms before the deadline (a grace shorter than asked).
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return std::nullopt;
     // The pidfd becomes readable when the child exits.
     pollfd p{pidfd_, POLLIN, 0};

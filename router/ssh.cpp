@@ -221,7 +221,7 @@ void bootstrap(SshPipes& pipes, const AgentImage& agent, SshSession& session, Cl
     return fmt::format("ssh to {} failed ({}): {}", session.host, why, ended(session, st));
   };
   while (true) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) {
       session.flush();
       std::string last = session.last_line();
@@ -341,7 +341,7 @@ Context ssh_child(Router& parent, const std::string& host, const SshOptions& opt
   // The stderr fd belongs to the reader now, unless adoption never ran (the
   // broker had shut down): then the explainer never exists and the fd leaks
   // only until this process exits. Rare enough; not worth a second path.
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
   try {
     ctx.with_timeout(std::max(left, std::chrono::milliseconds(1))).call_named("spindle.info", detail::encode_args());
   } catch (const std::exception& e) {

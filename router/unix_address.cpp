@@ -111,7 +111,7 @@ int connect_unix(const UnixAddress& addr, std::chrono::milliseconds timeout) {
   // A UNIX connect returns EAGAIN while the listener's backlog is full:
   // retry until it is accepted or the time is up.
   while (rc != 0) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0)
       fail(fmt::format("no answer within {} ms (the router's backlog is full or it is stuck)",
                        timeout.count()));
