@@ -1,6 +1,7 @@
 """os.fork() of a process whose Spindle threads are busy, and router.fork()
 from a thread while others have calls in flight."""
 
+import faulthandler
 import os
 import signal
 import threading
@@ -13,7 +14,10 @@ def _exit_code_of_child(fn):
     """Runs fn() in an os.fork() child; returns its exit code (0: fn returned True)."""
     pid = os.fork()
     if pid == 0:
-        signal.alarm(120)  # a hang here ends as SIGALRM, not as the parent's waitpid forever
+        # A hang here prints every thread's Python stack at 100 s, and ends as
+        # SIGALRM at 120 s, not as the parent's waitpid forever.
+        faulthandler.dump_traceback_later(100)
+        signal.alarm(120)
         code = 1
         try:
             code = 0 if fn() else 3
