@@ -372,8 +372,7 @@ void Stream::note_below_mark() {
 // it is used only when the last read came up short (the socket is probably
 // empty); after a full read the next read is posted instead.
 void Stream::arm_read() {
-  if (read_armed_ || input_stopped() || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_)
-    return;
+  if (read_armed_ || !may_read()) return;
   if (over_limit()) return;
   read_armed_ = true;
   ++stats_.read_waits;
@@ -389,7 +388,7 @@ void Stream::arm_read() {
 }
 
 void Stream::do_read() {
-  if (input_stopped() || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_) return;
+  if (!may_read()) return;
   if (over_limit()) return;
   // The kernel ends a read at each message that carries fds. Up to
   // kReadsAfterFds more reads follow in this turn while reads keep ending
@@ -483,8 +482,7 @@ void Stream::on_read(bool filled) {
 // turn (frames left over, or the next read) queues behind the other ready
 // handlers, and Asio polls epoll once per pass over that queue.
 void Stream::queue_input_turn() {
-  if (read_armed_ || input_stopped() || state_ == StreamState::kClosed || eof_seen_ || close_after_flush_)
-    return;
+  if (read_armed_ || !may_read()) return;
   read_armed_ = true;
   ++t_queued_input_turns;
   asio::post(broker_.io(), [self = shared_from_this()] {

@@ -314,6 +314,11 @@ class Stream : public std::enable_shared_from_this<Stream> {
   std::uint32_t peer_holds_ = 0;  // hold_for_peer() not yet released
   bool watch_mark_ = false;       // notify_below_mark() asked
   bool input_stopped() const { return input_held_ || peer_holds_ > 0; }
+  // Whether the peer may be read now: not held, and nothing ended reading
+  // (closed, EOF, or a protocol error waiting for its flush).
+  bool may_read() const {
+    return !input_stopped() && state_ != StreamState::kClosed && !eof_seen_ && !close_after_flush_;
+  }
   void note_below_mark();
   bool eof_seen_ = false, write_shut_ = false;
   bool drain_started_here_ = false;  // we said goodbye first (vs. answering the peer's)
