@@ -332,6 +332,9 @@ struct RttRun {
   std::vector<double> us;
   int parent_cpu = -1, parent_broker_cpu = -1, child_cpu = -1;
   std::uint64_t parent_cpu_ns = 0, child_cpu_ns = 0;  // over the timed calls
+  // Spindle: waits in which the caller ran the loop itself, and times the
+  // broker's own thread took it back (broker.h, leader/follower).
+  std::uint64_t caller_leads = 0, loop_returns = 0;
 };
 
 // "cpu cpu_ns" from a kWhere reply.
@@ -398,6 +401,9 @@ RttRun spindle_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
     run.child_cpu_ns = cns - child_cpu0;
     run.parent_cpu = ::sched_getcpu();
     run.parent_broker_cpu = broker_cpu(broker);
+    const auto st = broker.stats();
+    run.caller_leads = st.caller_leads;
+    run.loop_returns = st.loop_returns;
     stop_child(child);
   }
   restore_affinity();
@@ -554,6 +560,10 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
         "raw cpus: parent {} child {}",
         k.label, cfg.rtt_iters, cfg.rtt_warmup, sp.parent_cpu, sp.parent_broker_cpu, sp.child_cpu,
         raw.parent_cpu, raw.child_cpu));
+    const auto all = static_cast<std::uint64_t>(cfg.rtt_warmup + cfg.rtt_iters + 2);
+    g_notes.push_back(fmt::format(
+        "rtt {}: the caller ran the loop itself in {} of {} calls; the broker thread took it back {} times",
+        k.label, sp.caller_leads, all, sp.loop_returns));
     auto per = [&cfg](std::uint64_t ns) { return static_cast<double>(ns) / 1000.0 / cfg.rtt_iters; };
     g_notes.push_back(fmt::format(
         "rtt {}: CPU per round trip (user+sys): spindle parent {:.1f} us + child {:.1f} us; "

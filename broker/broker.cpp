@@ -80,6 +80,7 @@ Broker::~Broker() {
 // The calling thread becomes the broker thread.
 void Broker::bind_thread() {
   thread_id_.store(std::this_thread::get_id());
+  dedicated_id_ = std::this_thread::get_id();
   tid_.store(static_cast<pid_t>(::syscall(SYS_gettid)));
   // Writes to a closed pipe must come back as EPIPE, not kill the process.
   // Only this thread blocks SIGPIPE; streams consume any that stays pending.
@@ -96,16 +97,13 @@ void Broker::run() {
   pthread_setname_np(pthread_self(), "spindle-broker");  // cosmetic: failure is harmless
 
   auto guard = asio::make_work_guard(io_);
+  // The loop may pass to a waiting caller and back (loop_lead.cpp); this
+  // thread holds it whenever serve() runs and when finish() does.
   while (true) {
-    try {
-      io_.run();
-      break;
-    } catch (const std::exception& e) {
-      // A handler threw: log it and keep serving everyone else.
-      log().error("broker: handler threw: {}", e.what());
-    } catch (...) {
-      log().error("broker: handler threw a non-standard exception");
-    }
+    serve();
+    if (io_.stopped()) break;
+    step_aside();
+    if (io_.stopped()) break;
   }
   finish();
 }
@@ -170,6 +168,9 @@ void Broker::wake() {
   // EAGAIN: the counter is full, so a wake-up is pending anyway.
   if (n < 0 && errno != EAGAIN)
     log().error("broker: cannot wake the loop: write(eventfd): {}", errno_text(errno));
+  // No one waits in epoll_wait while the own thread steps aside: call it
+  // back (the exchange above and this load pair with step_aside()).
+  if (loop_owner_.load(std::memory_order_seq_cst) == kLoopFree) nudge_dedicated();
 }
 
 void Broker::arm_waker() {
@@ -240,7 +241,8 @@ void Broker::remove_wake_sink(int id) {
 }
 
 Broker::Stats Broker::stats() const {
-  return Stats{deferred_count_.load(), wakeups_.load(), drains_.load()};
+  return Stats{deferred_count_.load(), wakeups_.load(), drains_.load(), leads_.load(),
+               loop_returns_.load()};
 }
 
 // A timer requested from another thread is created later, on the broker

@@ -35,10 +35,25 @@
 // on_finished() tells who waits for that. stop_here() finishes at once on
 // the loop thread (a hosted runtime destroyed without async_shutdown).
 //
+// Leader/follower (own thread only): the loop is a role, not a thread. A
+// thread that would sleep until the loop brings it something (a blocking
+// call's reply) runs the loop itself while no one else does (lead_until), so
+// the kernel wakes that thread straight from epoll_wait and no hand-off from
+// the broker thread to it is needed. The broker's own thread keeps the loop
+// otherwise; after it wakes a sleeping caller it steps aside for a short
+// while (kLinger), so that the caller's next wait can lead, and takes the
+// loop back when that time passes with the loop free, when a wake() or a
+// sleeping caller needs it, or when the loop stops. Only one thread runs the
+// loop at a time (loop_owner_), and on_broker_thread() is true on whichever
+// does: every rule for "the broker thread" holds for it. The price: a
+// socket event that arrives while the loop is free waits up to kLinger.
+//
 // Ownership: the owner of a Broker destroys it; the destructor shuts down and
 // joins. Participants are borrowed and must unregister before they die. A
 // hosted broker borrows its io_context, which must outlive it.
 #pragma once
+
+#include <signal.h>
 
 #include <atomic>
 #include <chrono>
@@ -89,6 +104,8 @@ class Broker {
     std::uint64_t deferred = 0;       // functions accepted by defer() from other threads
     std::uint64_t wakeups_posted = 0; // wake-ups actually posted to the loop
     std::uint64_t drains = 0;         // times the loop drained the defer queue
+    std::uint64_t caller_leads = 0;   // waits in which a caller ran the loop itself
+    std::uint64_t loop_returns = 0;   // times the own thread took the loop back
   };
 
   enum class State { kRunning, kDraining, kStopped };
@@ -166,12 +183,35 @@ class Broker {
   State state() const { return state_.load(std::memory_order_acquire); }
   bool accepting() const { return state() == State::kRunning; }
   bool on_broker_thread() const { return std::this_thread::get_id() == thread_id_.load(); }
+
+  // --- leader/follower (see above) ---
+  static constexpr std::chrono::microseconds kLinger{100};
+  enum class Lead { kDone, kBusy, kTimedOut, kStopped };
+  // Runs the loop on the calling thread until done(ctx) is true (checked
+  // before each handler), `deadline` passes or the loop stops. kBusy, at
+  // once: another thread runs the loop, or the broker is hosted.
+  Lead lead_until(bool (*done)(const void*), const void* ctx, Clock::time_point deadline);
+  // A thread sleeps until something the loop brings (it could not lead):
+  // while any does, someone must keep the loop. settle_sleeper() is called
+  // exactly once per add_sleeper(), by whoever ends the sleep.
+  void add_sleeper() { sleepers_.fetch_add(1, std::memory_order_seq_cst); }
+  void settle_sleeper();
+  // A thread other than the loop's completed what a leading caller may be
+  // waiting for: wakes the loop so that the caller sees it.
+  void nudge_leading_caller();
+  // Loop thread, before a write that can raise SIGPIPE (to a pipe): a
+  // leading caller's thread blocks it until it leaves the loop, so that a
+  // closed pipe gives EPIPE. The own thread blocks it for good.
+  void quiet_sigpipe();
   // Kernel thread id of the broker thread (for tests reading /proc).
   pid_t native_tid() const { return tid_.load(); }
   Stats stats() const;
 
   // --- broker thread only ---
   asio::io_context& io() { return io_; }
+  // The streams' count of input turns queued on this loop (stream.cpp). It
+  // belongs to the loop, not to a thread: several threads may run it.
+  std::size_t& queued_input_turns() { return queued_input_turns_; }
   void add_participant(ShutdownParticipant* p);
   // Told first: the others are told only once every first participant has
   // drained (or the grace period ends). Worker pools use it, so a broker
@@ -198,6 +238,9 @@ class Broker {
   void arm_waker();
   void on_waker();
   void run();
+  void serve();
+  void step_aside();
+  void nudge_dedicated();
   bool drain_deferred();
   void run_sinks();
   void reap_children();
@@ -223,7 +266,25 @@ class Broker {
   std::atomic<State> state_{State::kRunning};
   std::atomic<pid_t> tid_{0};
   std::atomic<std::thread::id> thread_id_{};
+  std::thread::id dedicated_id_{};  // the broker's own thread
   std::thread thread_;
+  // Who runs the loop (leader/follower). The own thread holds it from the
+  // start; it parks on park_seq_, which a nudge bumps.
+  static constexpr std::uint32_t kLoopFree = 0, kLoopDedicated = 1, kLoopCaller = 2;
+  std::atomic<std::uint32_t> loop_owner_{kLoopDedicated};
+  std::atomic<std::uint32_t> park_seq_{0};
+  std::atomic<int> sleepers_{0};
+  bool step_aside_ = false;  // loop thread: a sleeping caller was woken
+  // Leading caller: SIGPIPE blocked by quiet_sigpipe(), and the mask to restore.
+  bool leader_quieted_ = false;
+  sigset_t leader_old_mask_{};
+  // Each lead, counted: the own thread takes the loop back only after a
+  // whole linger with no caller leading.
+  std::atomic<std::uint32_t> leads_{0};
+  std::atomic<std::uint64_t> loop_returns_{0};
+  // The own thread sleeps until the leading caller leaves (a long lead).
+  std::atomic<bool> awaiting_release_{false};
+  std::size_t queued_input_turns_ = 0;  // loop thread
 
   // The defer queue: producers announce themselves in producers_ before they
   // check closed_, so finish() can wait until none is half-way through a push

@@ -17,6 +17,7 @@
 #include <boost/intrusive/set.hpp>
 #include <fmt/format.h>
 
+#include "broker/broker.h"
 #include "broker/errors.h"
 #include "broker/futex.h"
 #include "broker/log.h"
@@ -50,6 +51,10 @@ struct CallTable::Slot : boost::intrusive::set_base_hook<> {
   std::atomic<std::uint32_t> callee{0};
   std::atomic<bool> blocking{false};
   std::atomic<bool> anywhere{false};  // async, and its completion is thread-safe
+  // Blocking: the waiter sleeps on `word` and is counted in the loop's
+  // sleepers. Whoever turns it off (the completer, or the waiter that gives
+  // up) settles that count.
+  std::atomic<bool> sleeper{false};
   bool armed = false;  // broker thread
   Clock::time_point deadline;
   Message reply;
@@ -64,7 +69,7 @@ struct CallTable::Deadlines {
   boost::intrusive::multiset<Slot, boost::intrusive::compare<ByDeadline>> set;
 };
 
-CallTable::CallTable() : deadlines_(std::make_unique<Deadlines>()) {
+CallTable::CallTable(Broker* loop) : deadlines_(std::make_unique<Deadlines>()), loop_(loop) {
   static_assert(chunk_start(kChunks - 1) + kFirstChunk == kMaxSlots);
 }
 
@@ -161,8 +166,15 @@ void CallTable::finish(Slot& s, std::uint32_t index, Message&& m, std::exception
     s.reply = std::move(m);
     s.error = e;
     std::uint32_t w = s.word.load(std::memory_order_relaxed);
-    s.word.store((w & ~7u) | kDone, std::memory_order_release);
-    futex::wake(s.word, 1);
+    s.word.store((w & ~7u) | kDone, std::memory_order_seq_cst);
+    // Pairs with wait(): it turns `sleeper` on before it last looks at the
+    // word, so either it sees DONE or this sees it asleep.
+    if (s.sleeper.exchange(false, std::memory_order_seq_cst)) {
+      futex::wake(s.word, 1);
+      if (loop_) loop_->settle_sleeper();
+    } else if (loop_ && !loop_->on_broker_thread()) {
+      loop_->nudge_leading_caller();  // the waiter may be in epoll_wait, leading
+    }
     return;
   }
   Completion done = std::move(s.done);
@@ -229,25 +241,56 @@ std::optional<std::uint32_t> CallTable::callee_of(std::uint32_t handle) const {
   return s->callee.load(std::memory_order_relaxed);
 }
 
+bool CallTable::settled(const void* slot) {
+  auto& s = *static_cast<const Slot*>(slot);
+  return state_of(s.word.load(std::memory_order_seq_cst)) != kPending;
+}
+
+// Leads the loop while it is free (the reply then arrives on this thread);
+// sleeps on the word while another thread leads. A sleeper counts in the
+// loop's sleepers, so whoever leads keeps the loop for it, and it tries to
+// lead once more after it is counted: a leader that left just before sees
+// the count or leaves the loop free for it (broker.h).
 Message CallTable::wait(std::uint32_t handle, Clock::time_point deadline,
                         const std::function<std::exception_ptr()>& on_timeout) {
   Slot& s = *slot(handle);
+  auto stop_sleeping = [&] {
+    if (s.sleeper.exchange(false, std::memory_order_seq_cst) && loop_) loop_->settle_sleeper();
+  };
+  bool may_lead = loop_ != nullptr;
   while (true) {
-    std::uint32_t w = s.word.load(std::memory_order_acquire);
+    std::uint32_t w = s.word.load(std::memory_order_seq_cst);
     if (state_of(w) == kDone) {
+      stop_sleeping();
       Message reply = std::move(s.reply);
       std::exception_ptr e = s.error;
       free_slot(s, index_of(handle));
       if (e) std::rethrow_exception(e);
       return reply;
     }
-    // CLAIMED: a completer is storing the outcome; wait for it, whatever
-    // the deadline says.
-    auto until = state_of(w) == kClaimed ? Clock::time_point::max() : deadline;
-    if (futex::wait(s.word, w, until)) continue;
+    bool timed_out = false;
+    if (state_of(w) == kPending && may_lead) {
+      Broker::Lead how = loop_->lead_until(&CallTable::settled, &s, deadline);
+      if (how == Broker::Lead::kDone) continue;
+      timed_out = how == Broker::Lead::kTimedOut;
+      may_lead = false;
+    }
+    if (!timed_out) {
+      if (loop_ && !s.sleeper.load(std::memory_order_relaxed)) {
+        loop_->add_sleeper();
+        s.sleeper.store(true, std::memory_order_seq_cst);
+        may_lead = true;
+        continue;  // look at the word again, and at the loop
+      }
+      // CLAIMED: a completer is storing the outcome; wait for it, whatever
+      // the deadline says.
+      auto until = state_of(w) == kClaimed ? Clock::time_point::max() : deadline;
+      if (futex::wait(s.word, w, until)) continue;
+    }
     std::uint32_t expect = w;
     if (state_of(w) == kPending &&
         s.word.compare_exchange_strong(expect, (w & ~7u) | kCancelled, std::memory_order_acq_rel)) {
+      stop_sleeping();
       free_slot(s, index_of(handle));
       std::rethrow_exception(on_timeout());
     }

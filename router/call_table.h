@@ -5,8 +5,9 @@
 // CallError), its deadline, its callee's disconnect, or shutdown. Whoever
 // moves the slot's word from PENDING to CLAIMED completes it; everyone else
 // finds it taken. A slot is reused for the next call, so a call allocates
-// neither a promise nor a std::function: a blocking caller sleeps on the
-// slot's word (a futex) and reads its reply from the slot; an asynchronous
+// neither a promise nor a std::function: a blocking caller runs the loop
+// while it is free, or sleeps on the slot's word (a futex), and reads its
+// reply from the slot; an asynchronous
 // call's completion is a move-only callable stored in the slot.
 //
 // Handles: reply_to = kCallHandleBit | generation (11 bits) << 20 | index, so
@@ -52,6 +53,8 @@
 
 namespace spindle {
 
+class Broker;
+
 inline constexpr std::uint32_t kCallHandleBit = 0x80000000u;
 inline bool is_call_handle(std::uint32_t h) { return (h & kCallHandleBit) != 0; }
 
@@ -61,7 +64,9 @@ class CallTable {
   using Completion = UniqueFunction<void(Message&&, std::exception_ptr)>;
   static constexpr std::uint32_t kMaxSlots = 1u << 20;
 
-  CallTable();
+  // `loop`: the broker whose loop a blocking caller may run while it waits
+  // (broker.h, leader/follower); null for none.
+  explicit CallTable(Broker* loop = nullptr);
   ~CallTable();
   CallTable(const CallTable&) = delete;
   CallTable& operator=(const CallTable&) = delete;
@@ -76,7 +81,9 @@ class CallTable {
 
   // Blocking slots: waits for the outcome until `deadline`. Returns the
   // reply, or throws what completed it (ChannelError, CallError, or
-  // TimeoutError built by `on_timeout`). Frees the slot.
+  // TimeoutError built by `on_timeout`). Frees the slot. While no other
+  // thread runs the broker's loop, the caller runs it and the reply reaches
+  // it without a hand-off; otherwise it sleeps on the slot's word.
   Message wait(std::uint32_t handle, Clock::time_point deadline,
                const std::function<std::exception_ptr()>& on_timeout);
 
@@ -109,6 +116,7 @@ class CallTable {
 
  private:
   struct Slot;
+  static bool settled(const void* slot);
   Slot* slot(std::uint32_t handle) const;  // null if the index is out of range
   std::uint32_t open(std::uint32_t callee, bool blocking, Completion done, bool anywhere);
   bool claim(Slot& s, std::uint32_t handle);
@@ -138,6 +146,7 @@ class CallTable {
   // slots: arming one allocates nothing)
   struct Deadlines;
   std::unique_ptr<Deadlines> deadlines_;
+  Broker* loop_;
 };
 
 }  // namespace spindle

@@ -1,8 +1,9 @@
 // Calls: a request takes a CallTable slot whose handle is its reply_to, and
 // is completed exactly once (call_table.h). A blocking call() writes its
-// request at once when the stream is idle and sleeps on its slot's word with
-// its own deadline, so a round trip costs the caller one syscall each way and
-// no allocation. An asynchronous request's deadline is kept by the broker:
+// request at once when the stream is idle, then runs the broker's loop itself
+// while no other thread does (broker.h, leader/follower), or else sleeps on
+// its slot's word with its own deadline: the reply reaches it with no
+// hand-off between threads, and no allocation. An asynchronous request's deadline is kept by the broker:
 // one timer armed for the earliest pending deadline, re-armed only when an
 // earlier one arrives or it fires.
 #include <fmt/format.h>

@@ -41,6 +41,7 @@ Router::Router(Broker& broker, RouterOptions opts)
       serial_(g_router_serial.fetch_add(1)),
       budget_(std::make_shared<MemoryBudget>(opts_.memory_limit)),
       relief_(std::make_shared<BudgetRelief>()),
+      calls_(&broker),
       outbox_(opts_.outbox_size),
       call_timer_(broker.io()) {
   if (opts_.max_message_size == 0) throw Error("max_message_size must be at least 1 byte");

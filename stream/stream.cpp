@@ -44,10 +44,6 @@
 namespace spindle {
 namespace {
 
-// Streams of this thread's broker with an input turn queued. Each broker runs
-// on a thread of its own, so a thread_local is per broker.
-thread_local std::size_t t_queued_input_turns = 0;
-
 // Frames one input turn may deliver. All the busy streams' turns together
 // deliver about kFramesPerPass before Asio polls epoll again, so a stream
 // that has just become readable (a round trip's reply, a new client) waits
@@ -60,8 +56,8 @@ constexpr std::size_t kMinFramesPerTurn = 16;
 constexpr std::size_t kReadsAfterFds = 16;
 constexpr std::size_t kFdsPerTurn = 64;
 
-std::size_t frames_per_turn() {
-  return std::max(kMinFramesPerTurn, kFramesPerPass / (t_queued_input_turns + 1));
+std::size_t frames_per_turn(std::size_t queued_turns) {
+  return std::max(kMinFramesPerTurn, kFramesPerPass / (queued_turns + 1));
 }
 
 void set_nonblocking(int fd) {
@@ -484,9 +480,9 @@ void Stream::on_read(bool filled) {
 void Stream::queue_input_turn() {
   if (read_armed_ || !may_read()) return;
   read_armed_ = true;
-  ++t_queued_input_turns;
+  ++broker_.queued_input_turns();
   asio::post(broker_.io(), [self = shared_from_this()] {
-    --t_queued_input_turns;
+    --self->broker_.queued_input_turns();
     self->broker_.check_loop_thread();
     self->read_armed_ = false;
     self->input_turn();
@@ -541,7 +537,7 @@ bool Stream::run_handshake() {
 bool Stream::process_input() {
   if (state_ == StreamState::kHandshaking && !run_handshake()) return false;
   if (!parser_) return false;
-  std::size_t budget = frames_per_turn();
+  std::size_t budget = frames_per_turn(broker_.queued_input_turns());
   // The batch ends however the loop ends (a handler may throw through it):
   // the listener flushes what it corked, always. `f` outlives the batch,
   // whose end consumes the frame last handed out.

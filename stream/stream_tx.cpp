@@ -125,6 +125,7 @@ void Stream::flush() {
       }
       n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     } else {
+      broker_.quiet_sigpipe();
       n = ::writev(fd, iov, g.iovcnt);
     }
     if (n < 0) {

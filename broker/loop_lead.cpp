@@ -1,0 +1,175 @@
+// Leader/follower: who runs the loop (broker.h).
+//
+// A blocking call used to cost its caller a hand-off: the broker thread woke
+// from epoll_wait, read the reply, and woke the caller from its futex, two
+// wake-ups where a raw socket read costs one. Here the caller runs the loop
+// itself while it waits, when no one else runs it: epoll_wait wakes the
+// caller, the reply's handler completes the caller's own slot, and it returns.
+//
+// loop_owner_ says who runs the loop: the own thread, a caller, or nobody.
+// Taking it is one compare-and-swap; leaving it is one store, plus a nudge
+// (a futex wake of the own thread) only when someone needs the loop then: a
+// thread sleeping on a reply, a wake-up waiting in the eventfd, or a stopped
+// loop that the own thread must finish. The own thread steps aside after it
+// wakes a sleeping caller, and takes the loop back after kLinger with the
+// loop free, so a caller that calls again at once leads every time after
+// the first, and a caller that goes away leaves the loop unattended for at
+// most kLinger (a wake() from another thread ends that at once).
+//
+// Each pair of "store mine, then load theirs" below (owner against sleepers_,
+// owner against wake_pending_) is sequentially consistent: of two threads
+// racing, at least one sees the other, so no wake-up is lost.
+#include <pthread.h>
+#include <signal.h>
+
+#include "broker/broker.h"
+#include "broker/errors.h"
+#include "broker/futex.h"
+#include "broker/log.h"
+
+namespace spindle {
+namespace {
+
+}  // namespace
+
+// The own thread, holding the loop: runs it until it stops, or until it has
+// woken a sleeping caller and no other caller sleeps.
+void Broker::serve() {
+  while (true) {
+    try {
+      while (io_.run_one() != 0) {
+        if (!step_aside_) continue;
+        step_aside_ = false;
+        if (sleepers_.load(std::memory_order_relaxed) == 0) return;
+      }
+      return;  // stopped
+    } catch (const std::exception& e) {
+      // A handler threw: log it and keep serving everyone else.
+      log().error("broker: handler threw: {}", e.what());
+    } catch (...) {
+      log().error("broker: handler threw a non-standard exception");
+    }
+  }
+}
+
+// The own thread leaves the loop free, and returns once it holds it again:
+// at once when someone needs the loop (a sleeper, a pending wake-up, a
+// stopped loop); after a whole linger in which no caller began to lead; or,
+// when one caller's lead outlasts a linger (a long call), once that caller
+// leaves: it nudges us then, so a long call costs no wake-up per linger.
+void Broker::step_aside() {
+  std::uint32_t seq = park_seq_.load(std::memory_order_seq_cst);
+  thread_id_.store(std::thread::id{});
+  loop_owner_.store(kLoopFree, std::memory_order_seq_cst);
+  auto take = [this] {
+    std::uint32_t expect = kLoopFree;
+    if (!loop_owner_.compare_exchange_strong(expect, kLoopDedicated, std::memory_order_seq_cst)) return false;
+    thread_id_.store(dedicated_id_);
+    loop_returns_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  };
+  std::uint32_t leads = leads_.load(std::memory_order_seq_cst);
+  bool until_release = false;
+  while (true) {
+    if ((sleepers_.load(std::memory_order_seq_cst) > 0 || wake_pending_.load(std::memory_order_seq_cst) ||
+         io_.stopped()) &&
+        take())
+      return;
+    auto until = Clock::now() + kLinger;
+    if (until_release) {
+      awaiting_release_.store(true, std::memory_order_seq_cst);
+      if (loop_owner_.load(std::memory_order_seq_cst) == kLoopCaller) until = Clock::time_point::max();
+    }
+    bool timed_out = !futex::wait(park_seq_, seq, until);
+    awaiting_release_.store(false, std::memory_order_relaxed);
+    until_release = false;
+    std::uint32_t now_seq = park_seq_.load(std::memory_order_seq_cst);
+    if (now_seq != seq) {  // nudged
+      seq = now_seq;
+      if (take()) return;
+      continue;
+    }
+    if (!timed_out && until != Clock::time_point::max()) continue;  // a spurious wake-up
+    std::uint32_t now_leads = leads_.load(std::memory_order_seq_cst);
+    if (now_leads != leads) {  // a caller began to lead: it is at work
+      leads = now_leads;
+      continue;
+    }
+    if (take()) return;
+    until_release = true;  // the same lead for a whole linger
+  }
+}
+
+void Broker::nudge_dedicated() {
+  park_seq_.fetch_add(1, std::memory_order_seq_cst);
+  futex::wake(park_seq_, 1);
+}
+
+Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Clock::time_point deadline) {
+  if (hosted()) return Lead::kBusy;
+  std::uint32_t expect = kLoopFree;
+  if (loop_owner_.load(std::memory_order_relaxed) != kLoopFree ||
+      !loop_owner_.compare_exchange_strong(expect, kLoopCaller, std::memory_order_seq_cst))
+    return Lead::kBusy;
+  leads_.fetch_add(1, std::memory_order_relaxed);
+  thread_id_.store(std::this_thread::get_id());
+  Lead how = Lead::kDone;
+  while (!done(ctx)) {
+    try {
+      std::size_t ran = deadline == Clock::time_point::max() ? io_.run_one() : io_.run_one_until(deadline);
+      if (ran == 0) {
+        how = io_.stopped() ? Lead::kStopped : Lead::kTimedOut;
+        break;
+      }
+    } catch (const std::exception& e) {
+      log().error("broker: handler threw: {}", e.what());
+    } catch (...) {
+      log().error("broker: handler threw a non-standard exception");
+    }
+  }
+  if (leader_quieted_) {
+    // A write to a closed pipe left SIGPIPE pending on this thread: consume
+    // it, or unblocking would deliver it.
+    leader_quieted_ = false;
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGPIPE);
+    struct timespec zero {};
+    while (::sigtimedwait(&set, nullptr, &zero) == SIGPIPE) {
+    }
+    pthread_sigmask(SIG_SETMASK, &leader_old_mask_, nullptr);
+  }
+  thread_id_.store(std::thread::id{});
+  loop_owner_.store(kLoopFree, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0 || wake_pending_.load(std::memory_order_seq_cst) ||
+      awaiting_release_.load(std::memory_order_seq_cst) || io_.stopped())
+    nudge_dedicated();
+  return how;
+}
+
+void Broker::settle_sleeper() {
+  sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+  // The own thread woke a caller: let that caller's next wait lead.
+  if (on_broker_thread() && loop_owner_.load(std::memory_order_relaxed) == kLoopDedicated) step_aside_ = true;
+}
+
+// A pipe write that meets EPIPE consumes the SIGPIPE it left pending
+// (stream_tx.cpp) before the mask is restored.
+void Broker::quiet_sigpipe() {
+  if (leader_quieted_ || loop_owner_.load(std::memory_order_relaxed) != kLoopCaller) return;
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  if (int err = pthread_sigmask(SIG_BLOCK, &set, &leader_old_mask_)) {
+    log().error("broker: cannot block SIGPIPE ({}); a write to a closed pipe may kill the process",
+                errno_text(err));
+    return;
+  }
+  leader_quieted_ = true;
+}
+
+void Broker::nudge_leading_caller() {
+  if (loop_owner_.load(std::memory_order_seq_cst) == kLoopCaller) wake();
+}
+
+}  // namespace spindle

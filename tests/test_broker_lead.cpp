@@ -1,0 +1,243 @@
+// Leader/follower (broker.h, loop_lead.cpp): a waiting caller runs the loop
+// itself while no one else does, and the broker's own thread takes it back
+// when the caller leaves. Each test checks on which kernel thread the loop's
+// work really ran, and that nothing waits for a thread that is not coming.
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <asio/posix/stream_descriptor.hpp>
+#include <gtest/gtest.h>
+
+#include "broker/broker.h"
+#include "router/child.h"
+#include "router/router.h"
+#include "stream_test_util.h"
+#include "tests/router_test_util.h"
+
+namespace spindle {
+namespace test_broker_lead {
+
+using namespace std::chrono_literals;
+using testutil::join_bounded;
+using testutil::kGuard;
+using testutil::run_on;
+using Clock = std::chrono::steady_clock;
+
+pid_t gettid_now() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
+
+// Makes the own thread step aside, as it does once it has woken a caller
+// that slept on a reply: it settles a sleeper on the loop.
+void make_own_thread_step_aside(Broker& b) {
+  b.add_sleeper();
+  run_on(b, [&] { b.settle_sleeper(); });
+}
+
+bool flag_set(const void* p) { return static_cast<const std::atomic<bool>*>(p)->load(); }
+
+// Makes the own thread step aside and leads: lead_until is retried while
+// the own thread is still on its way out of the loop (it steps aside just
+// after the handler that settled the sleeper), and the whole is retried if
+// it took the loop back first (a slow machine: a linger passed unused).
+Broker::Lead lead(Broker& b, const std::atomic<bool>& done, Clock::time_point deadline) {
+  auto give_up = Clock::now() + kGuard;
+  while (true) {
+    make_own_thread_step_aside(b);
+    for (int i = 0; i < 1000; ++i) {
+      Broker::Lead how = b.lead_until(&flag_set, &done, deadline);
+      if (how != Broker::Lead::kBusy || Clock::now() > give_up) return how;
+      std::this_thread::yield();
+    }
+  }
+}
+
+// Until a caller has begun to lead (lead_until counts it as it takes the loop).
+void wait_for_a_lead(Broker& b, std::uint64_t leads_before) {
+  auto give_up = Clock::now() + kGuard;
+  while (b.stats().caller_leads == leads_before && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+}
+
+long voluntary_switches(pid_t tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
+  return -1;
+}
+
+TEST(BrokerLead, AWaitingCallerRunsTheLoopAndWorkFromOtherThreadsRunsOnIt) {
+  Broker broker;
+  std::atomic<bool> done{false};
+  std::atomic<pid_t> ran_on{0};
+  std::atomic<bool> inside_is_broker{false};
+  const auto leads_before = broker.stats().caller_leads;
+  std::thread other([&] {
+    wait_for_a_lead(broker, leads_before);
+    broker.defer([&] {
+      ran_on = gettid_now();
+      inside_is_broker = broker.on_broker_thread();
+      done = true;
+    });
+  });
+  EXPECT_EQ(lead(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
+  other.join();
+  EXPECT_EQ(ran_on.load(), gettid_now()) << "the deferred function ran on the leading caller";
+  EXPECT_NE(ran_on.load(), broker.native_tid());
+  EXPECT_TRUE(inside_is_broker.load()) << "on_broker_thread() holds for whoever runs the loop";
+  EXPECT_FALSE(broker.on_broker_thread()) << "and stops holding when it leaves";
+  EXPECT_EQ(broker.stats().caller_leads, leads_before + 1);
+}
+
+TEST(BrokerLead, TheOwnThreadHoldsTheLoopUntilItStepsAside) {
+  Broker broker;
+  std::atomic<bool> done{false};
+  EXPECT_EQ(broker.lead_until(&flag_set, &done, Clock::now() + 1s), Broker::Lead::kBusy);
+  const pid_t ran_on = run_on(broker, [] { return gettid_now(); });
+  EXPECT_EQ(ran_on, broker.native_tid());
+}
+
+TEST(BrokerLead, TheOwnThreadTakesTheLoopBackForDefersAndSocketsWhenTheCallerLeaves) {
+  Broker broker;
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  std::promise<pid_t> readable;
+  auto readable_fut = readable.get_future();
+  auto desc = run_on(broker, [&] {
+    auto d = std::make_shared<asio::posix::stream_descriptor>(broker.io(), sv[0]);
+    d->async_wait(asio::posix::descriptor_base::wait_read,
+                  [&readable](const std::error_code& ec) {
+                    if (!ec) readable.set_value(gettid_now());
+                  });
+    return d;
+  });
+  std::atomic<bool> done{true};  // leads, finds nothing to wait for, and leaves
+  EXPECT_EQ(lead(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
+
+  // No one nudges the own thread for a socket: it comes back by itself.
+  ASSERT_EQ(::write(sv[1], "x", 1), 1);
+  ASSERT_EQ(readable_fut.wait_for(kGuard), std::future_status::ready) << "a socket event was stranded";
+  EXPECT_EQ(readable_fut.get(), broker.native_tid());
+
+  EXPECT_EQ(lead(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
+  std::promise<pid_t> deferred;
+  broker.defer([&] { deferred.set_value(gettid_now()); });
+  auto fut = deferred.get_future();
+  ASSERT_EQ(fut.wait_for(kGuard), std::future_status::ready) << "a deferred function was stranded";
+  EXPECT_EQ(fut.get(), broker.native_tid());
+  run_on(broker, [&] { desc.reset(); });
+  ::close(sv[1]);
+}
+
+TEST(BrokerLead, ALongLeadCostsTheOwnThreadNoWakeUpPerLinger) {
+  Broker broker;
+  std::atomic<bool> never{false};
+  testutil::settle(broker);  // the own thread has started: native_tid() is known
+  const long before = voluntary_switches(broker.native_tid());
+  ASSERT_GE(before, 0);
+  EXPECT_EQ(lead(broker, never, Clock::now() + 300ms), Broker::Lead::kTimedOut);
+  const long after = voluntary_switches(broker.native_tid());
+  // One look per linger would be about 3000 in 300 ms; the own thread looks
+  // twice, then sleeps until the caller leaves.
+  EXPECT_LT(after - before, 100) << "the own thread polled through a long lead";
+}
+
+TEST(BrokerLead, ACallerLeadingWhenTheLoopStopsIsToldAndTheBrokerFinishes) {
+  Broker broker;
+  std::atomic<bool> never{false};
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(50ms);
+    broker.shutdown(0ms);
+  });
+  EXPECT_EQ(lead(broker, never, Clock::now() + kGuard), Broker::Lead::kStopped);
+  stopper.join();
+  join_bounded(broker);
+  EXPECT_EQ(broker.state(), Broker::State::kStopped);
+}
+
+TEST(BrokerLead, ALeadingCallerBlocksSigpipeOnlyWhileItLeads) {
+  Broker broker;
+  int p[2];
+  ASSERT_EQ(::pipe2(p, O_CLOEXEC), 0);
+  ::close(p[0]);
+  std::atomic<bool> done{false};
+  std::atomic<int> write_errno{0};
+  std::atomic<pid_t> wrote_on{0};
+  const auto leads_before = broker.stats().caller_leads;
+  std::thread other([&] {
+    wait_for_a_lead(broker, leads_before);
+    broker.defer([&] {
+      broker.quiet_sigpipe();
+      if (::write(p[1], "x", 1) < 0) write_errno = errno;
+      wrote_on = gettid_now();
+      done = true;
+    });
+  });
+  EXPECT_EQ(lead(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
+  other.join();
+  EXPECT_EQ(wrote_on.load(), gettid_now()) << "the write ran on the leading caller";
+  EXPECT_EQ(write_errno.load(), EPIPE) << "a closed pipe gives EPIPE, and the process lives";
+  sigset_t now;
+  ASSERT_EQ(pthread_sigmask(SIG_BLOCK, nullptr, &now), 0);
+  EXPECT_FALSE(sigismember(&now, SIGPIPE)) << "the caller's signal mask is restored";
+  ::close(p[1]);
+}
+
+TEST(BrokerLead, AHostedBrokerIsNeverLedByACaller) {
+  asio::io_context io;
+  Broker broker(io, {});
+  std::atomic<bool> done{false};
+  std::thread t([&] { EXPECT_EQ(broker.lead_until(&flag_set, &done, Clock::now() + 1s), Broker::Lead::kBusy); });
+  t.join();
+  broker.stop_here();
+}
+
+// Blocking calls from several threads at once: one leads, the others sleep
+// and are served by it or by the own thread; every reply reaches its caller.
+TEST(BrokerLead, ConcurrentBlockingCallsLeadOrSleepAndAllComplete) {
+  Broker broker;
+  Router router(broker, testutil::root_opts());
+  constexpr std::uint32_t kEcho = 3000;
+  Context child = fork_child(
+      router,
+      [](ChildEnv& env) {
+        Router& r = env.router();
+        r.add_handler([&r](Message&& m) { r.reply(m, m.data); }, {}, kEcho);
+        env.serve();
+        return 0;
+      },
+      testutil::named("lead-echo"));
+  constexpr int kThreads = 3, kCalls = 500;
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < kThreads; ++t)
+    callers.emplace_back([&, t] {
+      for (int i = 0; i < kCalls; ++i) {
+        std::string msg = std::to_string(t) + ":" + std::to_string(i);
+        if (child.call(kEcho, std::string_view(msg), 20s) != msg) ++wrong;
+      }
+    });
+  for (auto& c : callers) c.join();
+  EXPECT_EQ(wrong.load(), 0);
+  const auto leads_after_concurrent = broker.stats().caller_leads;
+  // One caller alone: after its first call the own thread steps aside, and
+  // the calls that follow run the loop themselves.
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(child.call(kEcho, std::string_view("solo"), 20s), "solo");
+  EXPECT_GT(broker.stats().caller_leads, leads_after_concurrent) << "no call ever led the loop";
+  child.shutdown();
+  testutil::expect_exit_code(child, 0);
+}
+
+}  // namespace test_broker_lead
+}  // namespace spindle
