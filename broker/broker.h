@@ -186,6 +186,8 @@ class Broker {
 
   // --- leader/follower (see above) ---
   static constexpr std::chrono::microseconds kLinger{100};
+  // How long a would-be leader waits for the own thread to step aside.
+  static constexpr std::chrono::microseconds kHandOverWait{50};
   enum class Lead { kDone, kBusy, kTimedOut, kStopped };
   // Runs the loop on the calling thread until done(ctx) is true (checked
   // before each handler), `deadline` passes or the loop stops. kBusy, at
@@ -196,6 +198,10 @@ class Broker {
   // exactly once per add_sleeper(), by whoever ends the sleep.
   void add_sleeper() { sleepers_.fetch_add(1, std::memory_order_seq_cst); }
   void settle_sleeper();
+  // Loop thread: something was just handed to a thread that would run the
+  // loop if it were free (a caller's reply, a pool worker's message); the
+  // own thread steps aside after this turn, so that thread's next wait leads.
+  void step_aside_soon();
   // A thread other than the loop's completed what a leading caller may be
   // waiting for: wakes the loop so that the caller sees it.
   void nudge_leading_caller();
@@ -275,6 +281,9 @@ class Broker {
   std::atomic<std::uint32_t> park_seq_{0};
   std::atomic<int> sleepers_{0};
   bool step_aside_ = false;  // loop thread: a sleeping caller was woken
+  // step_aside_ is set and the own thread has yet to leave: a thread that
+  // finds the loop busy now waits a moment for it instead of sleeping.
+  std::atomic<bool> handing_over_{false};
   // Leading caller: SIGPIPE blocked by quiet_sigpipe(), and the mask to restore.
   bool leader_quieted_ = false;
   sigset_t leader_old_mask_{};

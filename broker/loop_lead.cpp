@@ -41,6 +41,7 @@ void Broker::serve() {
         if (!step_aside_) continue;
         step_aside_ = false;
         if (sleepers_.load(std::memory_order_relaxed) == 0) return;
+        handing_over_.store(false, std::memory_order_release);
       }
       return;  // stopped
     } catch (const std::exception& e) {
@@ -61,6 +62,7 @@ void Broker::step_aside() {
   std::uint32_t seq = park_seq_.load(std::memory_order_seq_cst);
   thread_id_.store(std::thread::id{});
   loop_owner_.store(kLoopFree, std::memory_order_seq_cst);
+  handing_over_.store(false, std::memory_order_release);
   auto take = [this] {
     std::uint32_t expect = kLoopFree;
     if (!loop_owner_.compare_exchange_strong(expect, kLoopDedicated, std::memory_order_seq_cst)) return false;
@@ -107,10 +109,20 @@ void Broker::nudge_dedicated() {
 
 Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Clock::time_point deadline) {
   if (hosted()) return Lead::kBusy;
-  std::uint32_t expect = kLoopFree;
-  if (loop_owner_.load(std::memory_order_relaxed) != kLoopFree ||
-      !loop_owner_.compare_exchange_strong(expect, kLoopCaller, std::memory_order_seq_cst))
-    return Lead::kBusy;
+  auto take = [this] {
+    std::uint32_t expect = kLoopFree;
+    return loop_owner_.load(std::memory_order_relaxed) == kLoopFree &&
+           loop_owner_.compare_exchange_strong(expect, kLoopCaller, std::memory_order_seq_cst);
+  };
+  if (!take()) {
+    // The own thread may be finishing the very turn that handed this thread
+    // its last message, and about to step aside for it: give it a moment
+    // (bounded: that turn may run a slow handler) rather than sleep.
+    if (!handing_over_.load(std::memory_order_acquire)) return Lead::kBusy;
+    const auto until = Clock::now() + kHandOverWait;
+    while (handing_over_.load(std::memory_order_acquire) && Clock::now() < until) std::this_thread::yield();
+    if (!take()) return Lead::kBusy;
+  }
   leads_.fetch_add(1, std::memory_order_relaxed);
   thread_id_.store(std::this_thread::get_id());
   Lead how = Lead::kDone;
@@ -149,8 +161,13 @@ Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Cloc
 
 void Broker::settle_sleeper() {
   sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-  // The own thread woke a caller: let that caller's next wait lead.
-  if (on_broker_thread() && loop_owner_.load(std::memory_order_relaxed) == kLoopDedicated) step_aside_ = true;
+  step_aside_soon();  // if the own thread woke the caller: its next wait leads
+}
+
+void Broker::step_aside_soon() {
+  if (!on_broker_thread() || loop_owner_.load(std::memory_order_relaxed) != kLoopDedicated) return;
+  step_aside_ = true;
+  handing_over_.store(true, std::memory_order_release);
 }
 
 // A pipe write that meets EPIPE consumes the SIGPIPE it left pending

@@ -39,7 +39,10 @@ bool WakeWord::wait(std::uint32_t expected, std::chrono::steady_clock::time_poin
 }
 
 void WakeWord::set_and_wake(std::uint32_t value) {
-  word_.store(value, std::memory_order_release);
+  // seq_cst: a waiter that runs the broker's loop instead of sleeping looks
+  // at the word after it takes the loop, and a waker from another thread
+  // looks at the loop after this store (lanes.cpp, wake_all).
+  word_.store(value, std::memory_order_seq_cst);
   // The result is ignored on purpose: once the value is stored, a waiter that
   // woke spuriously may already have returned and left the word's frame, so
   // this wake can land on a stale address. That is harmless (it wakes nobody,

@@ -23,7 +23,8 @@ class WakeWord {
   bool wait(std::uint32_t expected, std::chrono::steady_clock::time_point deadline);
   // Stores `value` and wakes the one thread sleeping on the word, if any.
   void set_and_wake(std::uint32_t value);
-  std::uint32_t load() const { return word_.load(std::memory_order_acquire); }
+  std::uint32_t load() const { return word_.load(std::memory_order_seq_cst); }
+  static bool is_set(const void* word) { return static_cast<const WakeWord*>(word)->load() != 0; }
 
  private:
   std::atomic<std::uint32_t> word_{0};

@@ -12,6 +12,8 @@
 // spurious wake-ups; handing off directly pays neither.
 #include "services/lanes.h"
 
+#include "broker/broker.h"
+
 #include <algorithm>
 
 #include "services/fork.h"
@@ -69,8 +71,11 @@ void LaneSet::release_idle_locked(WakeList& wake) {
 }
 
 // Outside the lock: a waiter reads its slot only after seeing its word set.
-void LaneSet::wake_all(const WakeList& wake) {
+void LaneSet::wake_all(const WakeList& wake) const {
   for (auto [w, value] : wake) w->word.set_and_wake(value);
+  // A waiter may be running the loop, asleep in epoll_wait, not on its word.
+  Broker* loop = loop_.load(std::memory_order_acquire);
+  if (loop && !wake.empty() && !loop->on_broker_thread()) loop->nudge_leading_caller();
 }
 
 void LaneSet::hand_out_locked(WakeList& wake) {
@@ -79,6 +84,8 @@ void LaneSet::hand_out_locked(WakeList& wake) {
     if (!t) return;
     Waiter* w = idle_.back();
     idle_.pop_back();
+    if (w->would_lead.load(std::memory_order_relaxed))
+      if (Broker* loop = loop_.load(std::memory_order_acquire)) loop->step_aside_soon();
     w->slot = std::move(t);
     ++stats_.handed;
     ++stats_.wakeups;
@@ -125,6 +132,7 @@ std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
     if (closed_ || (draining_ && ring_.empty())) return std::nullopt;
     idle_.push_back(&self);
   }
+  bool may_lead = true;
   for (;;) {
     std::uint32_t v = self.word.load();
     if (v == 1) {
@@ -132,7 +140,16 @@ std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
       return std::move(self.slot);
     }
     if (v == 2) return std::nullopt;
-    if (!self.word.wait(0, deadline)) {
+    bool timed_out = false;
+    Broker* loop = may_lead ? loop_.load(std::memory_order_acquire) : nullptr;
+    if (loop) {
+      Broker::Lead how = loop->lead_until(&WakeWord::is_set, &self.word, deadline);
+      if (how == Broker::Lead::kDone) continue;
+      if (how == Broker::Lead::kBusy) self.would_lead.store(true, std::memory_order_relaxed);
+      timed_out = how == Broker::Lead::kTimedOut;
+    }
+    may_lead = true;  // after a wake-up, look at the loop again
+    if (timed_out || !self.word.wait(0, deadline)) {
       std::lock_guard lk(mu_);
       auto it = std::find(idle_.begin(), idle_.end(), &self);
       if (it == idle_.end()) {

@@ -28,6 +28,7 @@
 // caller's (Pool or Select). Lane pointers live as long as the set.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -41,6 +42,10 @@
 
 #include "services/futex.h"
 #include "spindle/message.h"
+
+namespace spindle {
+class Broker;
+}
 
 namespace spindle::services {
 
@@ -110,7 +115,12 @@ class LaneSet {
   Push push(Lane& lane, Message& m);
   // Waits for a message until `deadline`. Empty on timeout, or when draining
   // with nothing left, or closed. Every message taken must be done() after.
+  // With a loop set, a taker runs that broker's loop while it waits and no
+  // other thread runs it (broker.h, leader/follower): a message the loop
+  // hands it then needs no wake-up.
   std::optional<Taken> take(Clock::time_point deadline);
+  // The broker whose loop brings this set its messages (a pool's).
+  void set_loop(Broker* loop) { loop_.store(loop, std::memory_order_release); }
   void done(Lane& lane);
   // Refuses new messages; takers drain the queue, then get nothing.
   void begin_drain();
@@ -135,6 +145,9 @@ class LaneSet {
   struct Waiter {
     WakeWord word;           // 0 asleep, 1 handed a message, 2 nothing more
     std::optional<Taken> slot;
+    // It found the loop busy: whoever hands it a message on the loop's own
+    // thread asks that thread to step aside, so its next wait leads.
+    std::atomic<bool> would_lead{false};
   };
   using WakeList = std::vector<std::pair<Waiter*, std::uint32_t>>;
   // Under mu_: takes the next message the fairness rule allows.
@@ -142,7 +155,7 @@ class LaneSet {
   // Under mu_: hands ready messages to idle threads, listing whom to wake.
   void hand_out_locked(WakeList& wake);
   void release_idle_locked(WakeList& wake);  // "nothing more" to every idle thread
-  static void wake_all(const WakeList& wake);
+  void wake_all(const WakeList& wake) const;
   void enter_ring_locked(Lane& lane);
 
   mutable std::mutex mu_;
@@ -154,6 +167,7 @@ class LaneSet {
   bool closed_ = false;
   bool frozen_ = false;
   LaneStats stats_;
+  std::atomic<Broker*> loop_{nullptr};
 };
 
 }  // namespace spindle::services

@@ -91,6 +91,7 @@ std::uint32_t Pool::add_handler(Router& router, HandlerFn fn, LaneOptions lane_o
   Lane& lane = add_lane(
       std::move(lane_opts), std::move(fn),
       [&router](Message&& m, std::string_view why) { send_dead_reply(router, m, why); });
+  lanes_.set_loop(&router.broker());
   std::uint32_t h = router.add_handler([this, &lane](Message&& m) { submit(lane, std::move(m)); },
                                        std::move(opts), handle);
   if (h == 0) throw Error(fmt::format("pool {}: handle {} is already taken", opts_.name, handle));
@@ -251,6 +252,7 @@ void Pool::attach(Broker& broker) {
     if (broker_) throw Error(fmt::format("pool {} is already attached to a broker", opts_.name));
     broker_ = &broker;
   }
+  lanes_.set_loop(&broker);
   std::promise<void> added;
   auto f = added.get_future();
   broker.defer([this, &added] {

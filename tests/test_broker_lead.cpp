@@ -11,9 +11,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <fstream>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,6 +26,7 @@
 #include "broker/broker.h"
 #include "router/child.h"
 #include "router/router.h"
+#include "services/pool.h"
 #include "stream_test_util.h"
 #include "tests/router_test_util.h"
 
@@ -144,13 +147,22 @@ TEST(BrokerLead, ALongLeadCostsTheOwnThreadNoWakeUpPerLinger) {
   Broker broker;
   std::atomic<bool> never{false};
   testutil::settle(broker);  // the own thread has started: native_tid() is known
-  const long before = voluntary_switches(broker.native_tid());
-  ASSERT_GE(before, 0);
-  EXPECT_EQ(lead(broker, never, Clock::now() + 300ms), Broker::Lead::kTimedOut);
-  const long after = voluntary_switches(broker.native_tid());
-  // One look per linger would be about 3000 in 300 ms; the own thread looks
-  // twice, then sleeps until the caller leaves.
-  EXPECT_LT(after - before, 100) << "the own thread polled through a long lead";
+  const pid_t own = broker.native_tid();
+  const auto leads = broker.stats().caller_leads;
+  std::atomic<long> switches{-1};
+  std::thread watcher([&] {
+    wait_for_a_lead(broker, leads);
+    std::this_thread::sleep_for(100ms);  // a few lingers: it has settled
+    const long before = voluntary_switches(own);
+    std::this_thread::sleep_for(300ms);
+    switches = voluntary_switches(own) - before;
+  });
+  EXPECT_EQ(lead(broker, never, Clock::now() + 600ms), Broker::Lead::kTimedOut);
+  watcher.join();
+  // One look per linger would be about 3000 in 300 ms: the own thread
+  // sleeps instead until the caller leaves.
+  EXPECT_GE(switches.load(), 0);
+  EXPECT_LT(switches.load(), 10) << "the own thread polled through a long lead";
 }
 
 TEST(BrokerLead, ACallerLeadingWhenTheLoopStopsIsToldAndTheBrokerFinishes) {
@@ -201,6 +213,51 @@ TEST(BrokerLead, AHostedBrokerIsNeverLedByACaller) {
   std::thread t([&] { EXPECT_EQ(broker.lead_until(&flag_set, &done, Clock::now() + 1s), Broker::Lead::kBusy); });
   t.join();
   broker.stop_here();
+}
+
+// A pool worker waiting for work runs the loop too: once the own thread has
+// handed it a message (and stepped aside), its next wait leads, so the loop
+// work that brings the following message runs on the worker itself and the
+// hand-off to it needs no wake-up.
+TEST(BrokerLead, AnIdlePoolWorkerRunsTheLoopThatBringsItsNextMessage) {
+  Broker broker;
+  services::Pool pool({.threads = 1, .name = "lead-pool"});
+  pool.attach(broker);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<pid_t> ran_on;
+  services::Lane& lane = pool.add_lane(
+      {.name = "lead"},
+      [&](Message&&) {
+        std::lock_guard lk(mu);
+        ran_on.push_back(gettid_now());
+        cv.notify_all();
+      },
+      [](Message&&, std::string_view) {});
+  auto wait_for_jobs = [&](std::size_t n) {
+    std::unique_lock lk(mu);
+    return cv.wait_for(lk, kGuard, [&] { return ran_on.size() >= n; });
+  };
+  const pid_t worker = pool.worker_tids().at(0);
+  // The worker slept before the pool had a loop, so the first message only
+  // teaches it that the loop was busy; the own thread steps aside after it
+  // hands over the second, and the worker's next wait leads.
+  const auto leads = broker.stats().caller_leads;
+  for (std::size_t i = 1; i <= 2; ++i) {
+    broker.defer([&] { pool.submit(lane, Message::make(0, 1, Payload::copy_of("warm"))); });
+    ASSERT_TRUE(wait_for_jobs(i));
+  }
+  wait_for_a_lead(broker, leads);
+  ASSERT_GT(broker.stats().caller_leads, leads) << "the idle worker never ran the loop";
+  std::atomic<pid_t> loop_ran_on{0};
+  broker.defer([&] {
+    loop_ran_on = gettid_now();
+    pool.submit(lane, Message::make(0, 1, Payload::copy_of("led")));
+  });
+  ASSERT_TRUE(wait_for_jobs(3));
+  EXPECT_EQ(loop_ran_on.load(), worker) << "the deferred function ran on the leading worker";
+  for (pid_t t : ran_on) EXPECT_EQ(t, worker);
+  pool.stop();
 }
 
 // Blocking calls from several threads at once: one leads, the others sleep
