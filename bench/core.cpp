@@ -22,6 +22,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -201,6 +202,27 @@ bool read_all(int fd, void* p, std::size_t n) {
     got += static_cast<std::size_t>(r);
   }
   return true;
+}
+
+// An epoll instance watching fd for input; -1 when not wanted.
+int epoll_for(int fd, bool wanted) {
+  if (!wanted) return -1;
+  int ep = ::epoll_create1(EPOLL_CLOEXEC);
+  if (ep < 0) fail_errno("epoll_create1");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = fd;
+  if (::epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) < 0) fail_errno("epoll_ctl");
+  return ep;
+}
+
+// With an epoll instance: waits until its fd is readable, as an event loop
+// does before it reads. Nothing without one.
+void await_readable(int ep) {
+  if (ep < 0) return;
+  epoll_event ev;
+  while (::epoll_wait(ep, &ev, 1, -1) < 0)
+    if (errno != EINTR) fail_errno("epoll_wait");
 }
 
 struct RawChild {
@@ -477,18 +499,21 @@ double semaphore_rtt_us(const Config& cfg, int cpu) {
   return summarize(us).median;
 }
 
-RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
+// via_epoll: both sides wait in epoll_wait before each read, as any
+// one-loop-for-every-connection design must (the floor of such a design).
+RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu, bool via_epoll = false) {
   pin_this_thread(parent_cpu);
   RttRun run;
-  RawChild c = fork_raw([child_cpu](int fd) {
+  RawChild c = fork_raw([child_cpu, via_epoll](int fd) {
     if (child_cpu >= 0) pin_this_thread(child_cpu);
+    const int ep = epoll_for(fd, via_epoll);
     std::uint8_t buf[kSmall];
     std::uint8_t cpu = static_cast<std::uint8_t>(::sched_getcpu());
     write_all(fd, &cpu, 1);
     // A record of all 0xff bytes asks for this process's CPU time instead.
     std::uint8_t probe[kSmall];
     std::memset(probe, 0xff, kSmall);
-    while (read_all(fd, buf, kSmall)) {
+    while ((await_readable(ep), read_all(fd, buf, kSmall))) {
       if (std::memcmp(buf, probe, kSmall) == 0) {
         std::uint64_t ns = cpu_ns();
         std::memset(buf, 0, kSmall);
@@ -501,6 +526,7 @@ RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
   std::uint8_t cpu = 0;
   if (!read_all(c.fd, &cpu, 1)) throw std::runtime_error("raw echo child died");
   run.child_cpu = cpu;
+  const int ep = epoll_for(c.fd, via_epoll);
   std::uint8_t msg[kSmall], back[kSmall];
   for (std::size_t i = 0; i < kSmall; ++i) msg[i] = static_cast<std::uint8_t>(i * 7 + 1);
   auto child_cpu_ns = [&c] {
@@ -521,6 +547,7 @@ RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
     }
     auto t0 = Clock::now();
     write_all(c.fd, msg, kSmall);
+    await_readable(ep);
     if (!read_all(c.fd, back, kSmall)) throw std::runtime_error("raw echo: EOF");
     auto t1 = Clock::now();
     if (std::memcmp(msg, back, kSmall) != 0) throw std::runtime_error("raw echo: wrong bytes");
@@ -529,6 +556,7 @@ RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu) {
   run.parent_cpu_ns = cpu_ns() - cpu0;
   run.child_cpu_ns = child_cpu_ns() - child_cpu0;
   run.parent_cpu = run.parent_broker_cpu = ::sched_getcpu();
+  if (ep >= 0) ::close(ep);
   reap_raw(c);
   restore_affinity();
   return run;
@@ -555,6 +583,11 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
     const std::string name = "rtt_64B_" + row_word(k.label);
     g_report.add(name, s.median, "us", r.median);
     g_report.add(name + "_p99", s.p99, "us", r.p99);
+    // The floor of any event-loop design: what the epoll_wait before each
+    // read costs both sides, and Spindle against that floor.
+    Stats e = summarize(raw_rtt(cfg, k.parent, k.child, true).us);
+    g_report.add(name + "_raw_epoll", e.median, "us", r.median);
+    g_report.add(name + "_over_raw_epoll", s.median, "us", e.median);
     g_notes.push_back(fmt::format(
         "rtt {}: {} calls after {} warm-up; spindle cpus: parent main {} broker {}, child broker {}; "
         "raw cpus: parent {} child {}",

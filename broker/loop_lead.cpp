@@ -28,9 +28,6 @@
 #include "broker/log.h"
 
 namespace spindle {
-namespace {
-
-}  // namespace
 
 // The own thread, holding the loop: runs it until it stops, or until it has
 // woken a sleeping caller and no other caller sleeps.
@@ -165,7 +162,7 @@ void Broker::settle_sleeper() {
 }
 
 void Broker::step_aside_soon() {
-  if (!on_broker_thread() || loop_owner_.load(std::memory_order_relaxed) != kLoopDedicated) return;
+  if (hosted() || !on_broker_thread() || loop_owner_.load(std::memory_order_relaxed) != kLoopDedicated) return;
   step_aside_ = true;
   handing_over_.store(true, std::memory_order_release);
 }
