@@ -28,6 +28,11 @@
 #include "broker/log.h"
 
 namespace spindle {
+namespace {
+thread_local bool t_own_thread = false;
+}  // namespace
+
+bool Broker::on_an_own_thread() { return t_own_thread; }
 
 Broker::Broker() : Broker(Options{}) {}
 
@@ -95,6 +100,7 @@ void Broker::bind_thread() {
 void Broker::run() {
   bind_thread();
   pthread_setname_np(pthread_self(), "spindle-broker");  // cosmetic: failure is harmless
+  t_own_thread = true;
 
   auto guard = asio::make_work_guard(io_);
   // The loop may pass to a waiting caller and back (loop_lead.cpp); this

@@ -183,6 +183,10 @@ class Broker {
   State state() const { return state_.load(std::memory_order_acquire); }
   bool accepting() const { return state() == State::kRunning; }
   bool on_broker_thread() const { return std::this_thread::get_id() == thread_id_.load(); }
+  // Whether the calling thread is some broker's own thread (not a caller
+  // that leads a loop for a while): per-thread caches of the loop keep
+  // memory only there.
+  static bool on_an_own_thread();
 
   // --- leader/follower (see above) ---
   static constexpr std::chrono::microseconds kLinger{100};

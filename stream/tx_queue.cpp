@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "broker/broker.h"
 #include "broker/errors.h"
 #include "stream/memfd.h"
 
@@ -23,7 +24,10 @@ namespace spindle {
 namespace {
 
 // Free blocks of this thread, reused before new ones are allocated. Bounded,
-// so a burst that once needed many blocks does not keep them forever.
+// so a burst that once needed many blocks does not keep them forever. Only a
+// broker's own thread keeps any: an application thread that ran the loop for
+// a while (broker.h, leader/follower) frees its blocks, so a process with many
+// calling threads does not hold 2 MiB in each of them.
 class BlockPool {
  public:
   ~BlockPool() {
@@ -36,9 +40,10 @@ class BlockPool {
     return b;
   }
   void put(std::uint8_t* b) {
-    if (free_.size() < kMaxCached) free_.push_back(b);
+    if (free_.size() < kMaxCached && Broker::on_an_own_thread()) free_.push_back(b);
     else delete[] b;
   }
+  std::size_t size() const { return free_.size(); }
 
  private:
   static constexpr std::size_t kMaxCached = 64;  // 2 MiB per broker thread
@@ -57,6 +62,8 @@ std::size_t TxFrame::body_size() const {
 }
 
 TxQueue::~TxQueue() { clear(); }
+
+std::size_t TxQueue::cached_blocks() { return pool().size(); }
 
 std::uint8_t* TxQueue::block_at(std::uint64_t pos) {
   std::size_t k = static_cast<std::size_t>((pos - base_) / kTxBlockSize);

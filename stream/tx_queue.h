@@ -115,6 +115,9 @@ class TxQueue {
   // Bytes still to be written (the high-water mark's view).
   std::size_t queued_bytes() const { return queued_; }
   std::size_t blocks() const { return blocks_.size(); }
+  // Free blocks the calling thread keeps for reuse (none but on a broker's
+  // own thread).
+  static std::size_t cached_blocks();
   std::size_t frames_queued() const { return frames_.size(); }
   std::uint64_t frames_written() const { return frames_written_; }
 

@@ -27,6 +27,8 @@
 #include "router/child.h"
 #include "router/router.h"
 #include "services/pool.h"
+#include "spindle/frame.h"
+#include "stream/tx_queue.h"
 #include "stream_test_util.h"
 #include "tests/router_test_util.h"
 
@@ -258,6 +260,36 @@ TEST(BrokerLead, AnIdlePoolWorkerRunsTheLoopThatBringsItsNextMessage) {
   EXPECT_EQ(loop_ran_on.load(), worker) << "the deferred function ran on the leading worker";
   for (pid_t t : ran_on) EXPECT_EQ(t, worker);
   pool.stop();
+}
+
+// Sends queued and written on a thread free their blocks there. Only a
+// broker's own thread keeps free blocks for reuse: an application thread
+// that ran the loop for a while keeps none.
+std::size_t queue_and_write_200_frames() {
+  TxQueue q;
+  std::vector<std::uint8_t> body(1000, 0x5a);
+  Header h{};
+  h.length = static_cast<std::uint32_t>(body.size());
+  for (int i = 0; i < 200; ++i) q.append_inline(encode_header(h), body.data(), body.size());
+  const std::size_t used = q.blocks();
+  q.advance(q.queued_bytes());
+  return used;
+}
+
+TEST(BrokerLead, OnlyABrokersOwnThreadKeepsFreeSendBlocks) {
+  std::size_t used = 0;
+  std::thread caller([&] {
+    used = queue_and_write_200_frames();
+    EXPECT_EQ(TxQueue::cached_blocks(), 0u) << "an application thread kept free send blocks";
+  });
+  caller.join();
+  EXPECT_GT(used, 4u) << "the frames did not fill several blocks";
+  Broker broker;
+  const std::size_t kept = run_on(broker, [] {
+    queue_and_write_200_frames();
+    return TxQueue::cached_blocks();
+  });
+  EXPECT_GT(kept, 0u) << "the broker's own thread reuses its free blocks";
 }
 
 // Blocking calls from several threads at once: one leads, the others sleep
