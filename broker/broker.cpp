@@ -85,7 +85,6 @@ Broker::~Broker() {
 // The calling thread becomes the broker thread.
 void Broker::bind_thread() {
   thread_id_.store(std::this_thread::get_id());
-  dedicated_id_ = std::this_thread::get_id();
   tid_.store(static_cast<pid_t>(::syscall(SYS_gettid)));
   // Writes to a closed pipe must come back as EPIPE, not kill the process.
   // Only this thread blocks SIGPIPE; streams consume any that stays pending.

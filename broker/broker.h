@@ -248,6 +248,9 @@ class Broker {
   void arm_waker();
   void on_waker();
   void run();
+  bool claim_loop(std::uint32_t who);
+  void release_loop();
+  std::size_t run_one_handler(Clock::time_point deadline);
   void serve();
   void step_aside();
   void nudge_dedicated();
@@ -276,7 +279,6 @@ class Broker {
   std::atomic<State> state_{State::kRunning};
   std::atomic<pid_t> tid_{0};
   std::atomic<std::thread::id> thread_id_{};
-  std::thread::id dedicated_id_{};  // the broker's own thread
   std::thread thread_;
   // Who runs the loop (leader/follower). The own thread holds it from the
   // start; it parks on park_seq_, which a nudge bumps.

@@ -29,24 +29,42 @@
 
 namespace spindle {
 
+// Takes the free loop for the calling thread, as `who`.
+bool Broker::claim_loop(std::uint32_t who) {
+  std::uint32_t expect = kLoopFree;
+  if (loop_owner_.load(std::memory_order_relaxed) != kLoopFree ||
+      !loop_owner_.compare_exchange_strong(expect, who, std::memory_order_seq_cst))
+    return false;
+  thread_id_.store(std::this_thread::get_id());
+  return true;
+}
+
+void Broker::release_loop() {
+  thread_id_.store(std::thread::id{});
+  loop_owner_.store(kLoopFree, std::memory_order_seq_cst);
+}
+
+// One handler, or none by `deadline` (0). A handler that threw is logged and
+// counts as run: the loop keeps serving everyone else.
+std::size_t Broker::run_one_handler(Clock::time_point deadline) {
+  try {
+    return deadline == Clock::time_point::max() ? io_.run_one() : io_.run_one_until(deadline);
+  } catch (const std::exception& e) {
+    log().error("broker: handler threw: {}", e.what());
+  } catch (...) {
+    log().error("broker: handler threw a non-standard exception");
+  }
+  return 1;
+}
+
 // The own thread, holding the loop: runs it until it stops, or until it has
 // woken a sleeping caller and no other caller sleeps.
 void Broker::serve() {
-  while (true) {
-    try {
-      while (io_.run_one() != 0) {
-        if (!step_aside_) continue;
-        step_aside_ = false;
-        if (sleepers_.load(std::memory_order_relaxed) == 0) return;
-        handing_over_.store(false, std::memory_order_release);
-      }
-      return;  // stopped
-    } catch (const std::exception& e) {
-      // A handler threw: log it and keep serving everyone else.
-      log().error("broker: handler threw: {}", e.what());
-    } catch (...) {
-      log().error("broker: handler threw a non-standard exception");
-    }
+  while (run_one_handler(Clock::time_point::max()) != 0) {
+    if (!step_aside_) continue;
+    step_aside_ = false;
+    if (sleepers_.load(std::memory_order_relaxed) == 0) return;
+    handing_over_.store(false, std::memory_order_release);
   }
 }
 
@@ -57,13 +75,10 @@ void Broker::serve() {
 // leaves: it nudges us then, so a long call costs no wake-up per linger.
 void Broker::step_aside() {
   std::uint32_t seq = park_seq_.load(std::memory_order_seq_cst);
-  thread_id_.store(std::thread::id{});
-  loop_owner_.store(kLoopFree, std::memory_order_seq_cst);
+  release_loop();
   handing_over_.store(false, std::memory_order_release);
   auto take = [this] {
-    std::uint32_t expect = kLoopFree;
-    if (!loop_owner_.compare_exchange_strong(expect, kLoopDedicated, std::memory_order_seq_cst)) return false;
-    thread_id_.store(dedicated_id_);
+    if (!claim_loop(kLoopDedicated)) return false;
     loop_returns_.fetch_add(1, std::memory_order_relaxed);
     return true;
   };
@@ -106,34 +121,21 @@ void Broker::nudge_dedicated() {
 
 Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Clock::time_point deadline) {
   if (hosted()) return Lead::kBusy;
-  auto take = [this] {
-    std::uint32_t expect = kLoopFree;
-    return loop_owner_.load(std::memory_order_relaxed) == kLoopFree &&
-           loop_owner_.compare_exchange_strong(expect, kLoopCaller, std::memory_order_seq_cst);
-  };
-  if (!take()) {
+  if (!claim_loop(kLoopCaller)) {
     // The own thread may be finishing the very turn that handed this thread
     // its last message, and about to step aside for it: give it a moment
     // (bounded: that turn may run a slow handler) rather than sleep.
     if (!handing_over_.load(std::memory_order_acquire)) return Lead::kBusy;
     const auto until = Clock::now() + kHandOverWait;
     while (handing_over_.load(std::memory_order_acquire) && Clock::now() < until) std::this_thread::yield();
-    if (!take()) return Lead::kBusy;
+    if (!claim_loop(kLoopCaller)) return Lead::kBusy;
   }
   leads_.fetch_add(1, std::memory_order_relaxed);
-  thread_id_.store(std::this_thread::get_id());
   Lead how = Lead::kDone;
   while (!done(ctx)) {
-    try {
-      std::size_t ran = deadline == Clock::time_point::max() ? io_.run_one() : io_.run_one_until(deadline);
-      if (ran == 0) {
-        how = io_.stopped() ? Lead::kStopped : Lead::kTimedOut;
-        break;
-      }
-    } catch (const std::exception& e) {
-      log().error("broker: handler threw: {}", e.what());
-    } catch (...) {
-      log().error("broker: handler threw a non-standard exception");
+    if (run_one_handler(deadline) == 0) {
+      how = io_.stopped() ? Lead::kStopped : Lead::kTimedOut;
+      break;
     }
   }
   if (leader_quieted_) {
@@ -148,8 +150,7 @@ Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Cloc
     }
     pthread_sigmask(SIG_SETMASK, &leader_old_mask_, nullptr);
   }
-  thread_id_.store(std::thread::id{});
-  loop_owner_.store(kLoopFree, std::memory_order_seq_cst);
+  release_loop();
   if (sleepers_.load(std::memory_order_seq_cst) > 0 || wake_pending_.load(std::memory_order_seq_cst) ||
       awaiting_release_.load(std::memory_order_seq_cst) || io_.stopped())
     nudge_dedicated();

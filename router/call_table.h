@@ -7,8 +7,8 @@
 // finds it taken. A slot is reused for the next call, so a call allocates
 // neither a promise nor a std::function: a blocking caller runs the loop
 // while it is free, or sleeps on the slot's word (a futex), and reads its
-// reply from the slot; an asynchronous
-// call's completion is a move-only callable stored in the slot.
+// reply from the slot; an asynchronous call's completion is a move-only
+// callable stored in the slot.
 //
 // Handles: reply_to = kCallHandleBit | generation (11 bits) << 20 | index, so
 // a late reply to a slot that has since been reused is recognised and

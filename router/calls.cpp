@@ -3,9 +3,9 @@
 // request at once when the stream is idle, then runs the broker's loop itself
 // while no other thread does (broker.h, leader/follower), or else sleeps on
 // its slot's word with its own deadline: the reply reaches it with no
-// hand-off between threads, and no allocation. An asynchronous request's deadline is kept by the broker:
-// one timer armed for the earliest pending deadline, re-armed only when an
-// earlier one arrives or it fires.
+// hand-off between threads, and no allocation. An asynchronous request's
+// deadline is kept by the broker: one timer armed for the earliest pending
+// deadline, re-armed only when an earlier one arrives or it fires.
 #include <fmt/format.h>
 
 #include "broker/errors.h"

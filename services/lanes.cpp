@@ -12,10 +12,9 @@
 // spurious wake-ups; handing off directly pays neither.
 #include "services/lanes.h"
 
-#include "broker/broker.h"
-
 #include <algorithm>
 
+#include "broker/broker.h"
 #include "services/fork.h"
 
 namespace spindle::services {
