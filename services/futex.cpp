@@ -28,10 +28,17 @@ bool WakeWord::wait(std::uint32_t expected, std::chrono::steady_clock::time_poin
     ts.tv_nsec = static_cast<long>(duration_cast<nanoseconds>(left - s).count());
     tsp = &ts;
   }
+  // Announce the sleep; a value stored meanwhile ends the wait at once.
+  std::uint32_t w = expected;
+  if (!word_.compare_exchange_strong(w, expected | kAsleep, std::memory_order_seq_cst) && w != (expected | kAsleep))
+    return true;
   long rc = ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word_), FUTEX_WAIT_PRIVATE,
-                      expected, tsp, nullptr, 0);
+                      expected | kAsleep, tsp, nullptr, 0);
+  int err = rc == 0 ? 0 : errno;
+  // Awake: take the mark back unless a waker already replaced the word.
+  w = expected | kAsleep;
+  word_.compare_exchange_strong(w, expected, std::memory_order_relaxed);
   if (rc == 0) return true;
-  int err = errno;
   if (err == ETIMEDOUT) return steady_clock::now() < deadline;
   // EAGAIN: the word changed before we slept; EINTR: a signal. Both re-check.
   if (err != EAGAIN && err != EINTR) log().error("futex wait failed: {}", errno_text(err));
@@ -42,7 +49,7 @@ void WakeWord::set_and_wake(std::uint32_t value) {
   // seq_cst: a waiter that runs the broker's loop instead of sleeping looks
   // at the word after it takes the loop, and a waker from another thread
   // looks at the loop after this store (lanes.cpp, wake_all).
-  word_.store(value, std::memory_order_seq_cst);
+  if ((word_.exchange(value, std::memory_order_seq_cst) & kAsleep) == 0) return;  // nobody sleeps
   // The result is ignored on purpose: once the value is stored, a waiter that
   // woke spuriously may already have returned and left the word's frame, so
   // this wake can land on a stale address. That is harmless (it wakes nobody,

@@ -21,12 +21,22 @@ class WakeWord {
   // Returns on a wake, a change of value, a signal or the deadline; the caller
   // re-checks the word. Returns false only when the deadline has passed.
   bool wait(std::uint32_t expected, std::chrono::steady_clock::time_point deadline);
-  // Stores `value` and wakes the one thread sleeping on the word, if any.
+  // Stores `value` and wakes the thread sleeping on the word, if one is: a
+  // waiter that is not asleep (it runs the broker's loop) costs no syscall.
   void set_and_wake(std::uint32_t value);
-  std::uint32_t load() const { return word_.load(std::memory_order_seq_cst); }
+  std::uint32_t load() const { return word_.load(std::memory_order_seq_cst) & ~kAsleep; }
+  // The waiter: sets the word back to 0 if it still holds `value` (a waker
+  // may have stored another meanwhile, which stays).
+  void clear_if(std::uint32_t value) {
+    word_.compare_exchange_strong(value, 0, std::memory_order_seq_cst);
+  }
   static bool is_set(const void* word) { return static_cast<const WakeWord*>(word)->load() != 0; }
 
  private:
+  // Set in the word by a waiter about to sleep: the waker learns from the
+  // very exchange that stores its value whether anyone needs a FUTEX_WAKE,
+  // and never reads the word's memory after the waiter may have left it.
+  static constexpr std::uint32_t kAsleep = 1u << 31;
   std::atomic<std::uint32_t> word_{0};
 };
 

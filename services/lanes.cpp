@@ -13,6 +13,7 @@
 #include "services/lanes.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "broker/broker.h"
 #include "services/fork.h"
@@ -22,6 +23,10 @@ namespace {
 // The set whose message this thread is running (between take and done), so a
 // fork from inside a handler does not wait for its own thread.
 thread_local const LaneSet* tl_running_in = nullptr;
+// The set this thread is a taker of while it may run the loop (take()), so
+// that stop_leading() run by a handler on that very thread does not wait
+// for itself.
+thread_local const LaneSet* tl_may_lead_for = nullptr;
 }  // namespace
 
 LaneSet::LaneSet() { fork_guard::register_set(this); }
@@ -139,10 +144,20 @@ std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
       return std::move(self.slot);
     }
     if (v == 2) return std::nullopt;
+    if (v == kLookAgain) {  // leave_loop: the loop we ran may be going
+      self.word.clear_if(kLookAgain);
+      continue;
+    }
     bool timed_out = false;
-    Broker* loop = may_lead ? loop_.load(std::memory_order_acquire) : nullptr;
+    // Counted while it may touch the loop, so that leave_loop() knows when
+    // nobody does any more.
+    loop_users_.fetch_add(1, std::memory_order_seq_cst);
+    tl_may_lead_for = this;
+    Broker* loop = may_lead ? loop_.load(std::memory_order_seq_cst) : nullptr;
+    Broker::Lead how = loop ? loop->lead_until(&WakeWord::is_set, &self.word, deadline) : Broker::Lead::kBusy;
+    tl_may_lead_for = nullptr;
+    loop_users_.fetch_sub(1, std::memory_order_seq_cst);
     if (loop) {
-      Broker::Lead how = loop->lead_until(&WakeWord::is_set, &self.word, deadline);
       if (how == Broker::Lead::kDone) continue;
       if (how == Broker::Lead::kBusy) self.would_lead.store(true, std::memory_order_relaxed);
       timed_out = how == Broker::Lead::kTimedOut;
@@ -161,6 +176,56 @@ std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
       ++stats_.timeouts;
       return std::nullopt;
     }
+  }
+}
+
+void LaneSet::join_loop(Broker* loop) {
+  Broker* stop = nullptr;
+  {
+    std::lock_guard lk(mu_);
+    if (joined_count_++ == 0) {
+      joined_ = loop;
+      joined_mixed_ = false;
+      loop_.store(loop, std::memory_order_seq_cst);
+      return;
+    }
+    if (joined_mixed_ || joined_ == loop) return;
+    // Messages now come through two loops: a taker running one would not
+    // see the other's. Nobody leads until every receiver has left.
+    joined_mixed_ = true;
+    stop = loop_.exchange(nullptr, std::memory_order_seq_cst);
+  }
+  if (stop) stop_leading(stop);
+}
+
+void LaneSet::leave_loop(Broker* /*loop*/) {
+  Broker* stop = nullptr;
+  {
+    std::lock_guard lk(mu_);
+    if (joined_count_ == 0 || --joined_count_ > 0) return;
+    joined_ = nullptr;
+    joined_mixed_ = false;
+    stop = loop_.exchange(nullptr, std::memory_order_seq_cst);
+  }
+  if (stop) stop_leading(stop);
+}
+
+// loop_ no longer names `loop`: a taker loading it from now on does not lead.
+// Those that may still run `loop` are told to look again (their lead ends:
+// its predicate sees the word set) and pulled out of epoll_wait. Run by a
+// handler on a taker that leads (a receiver destroyed by a deferred function,
+// as the Python binding's Select moves do), it does not wait for that taker:
+// its lead ends when the handler returns, and the broker cannot be destroyed
+// before that.
+void LaneSet::stop_leading(Broker* loop) {
+  {
+    std::lock_guard lk(mu_);
+    for (Waiter* w : idle_) w->word.set_and_wake(kLookAgain);
+  }
+  const int self = tl_may_lead_for == this ? 1 : 0;
+  while (loop_users_.load(std::memory_order_seq_cst) > self) {
+    loop->nudge_leading_caller();
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
 

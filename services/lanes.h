@@ -119,8 +119,15 @@ class LaneSet {
   // other thread runs it (broker.h, leader/follower): a message the loop
   // hands it then needs no wake-up.
   std::optional<Taken> take(Clock::time_point deadline);
-  // The broker whose loop brings this set its messages (a pool's).
-  void set_loop(Broker* loop) { loop_.store(loop, std::memory_order_release); }
+  // The broker whose loop brings this set its messages (a pool's: it
+  // outlives the pool's threads).
+  void set_loop(Broker* loop) { loop_.store(loop, std::memory_order_seq_cst); }
+  // A Select's: each receiver joins with its router's broker, and leaves
+  // before that broker may go. Takers lead only while every receiver's
+  // messages come through one broker; leave_loop() returns once no taker
+  // runs the loop it leaves.
+  void join_loop(Broker* loop);
+  void leave_loop(Broker* loop);
   void done(Lane& lane);
   // Refuses new messages; takers drain the queue, then get nothing.
   void begin_drain();
@@ -143,12 +150,15 @@ class LaneSet {
 
  private:
   struct Waiter {
-    WakeWord word;           // 0 asleep, 1 handed a message, 2 nothing more
+    // 0 waiting, 1 handed a message, 2 nothing more, 3 stop running the
+    // loop and look again (leave_loop)
+    WakeWord word;
     std::optional<Taken> slot;
     // It found the loop busy: whoever hands it a message on the loop's own
     // thread asks that thread to step aside, so its next wait leads.
     std::atomic<bool> would_lead{false};
   };
+  static constexpr std::uint32_t kLookAgain = 3;
   using WakeList = std::vector<std::pair<Waiter*, std::uint32_t>>;
   // Under mu_: takes the next message the fairness rule allows.
   std::optional<Taken> next_locked();
@@ -157,6 +167,8 @@ class LaneSet {
   void release_idle_locked(WakeList& wake);  // "nothing more" to every idle thread
   void wake_all(const WakeList& wake) const;
   void enter_ring_locked(Lane& lane);
+  // Makes every taker that runs `loop` let go of it; returns once none does.
+  void stop_leading(Broker* loop);
 
   mutable std::mutex mu_;
   std::condition_variable quiet_cv_;  // freeze_for_fork waits for running_ == self
@@ -168,6 +180,11 @@ class LaneSet {
   bool frozen_ = false;
   LaneStats stats_;
   std::atomic<Broker*> loop_{nullptr};
+  std::atomic<int> loop_users_{0};  // takers between loading loop_ and leaving its lead
+  // A Select's receivers (join_loop), under mu_.
+  Broker* joined_ = nullptr;
+  int joined_count_ = 0;
+  bool joined_mixed_ = false;  // receivers on more than one broker: nobody leads
 };
 
 }  // namespace spindle::services

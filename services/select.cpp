@@ -46,11 +46,15 @@ Receiver::Receiver(Router& router, Select& select, std::uint32_t handle, Handler
       },
       std::move(opts), handle);
   if (handle_ == 0) throw Error(fmt::format("receiver: handle {} is already taken", handle));
+  // A thread waiting in get() runs this broker's loop while no one else
+  // does, so the message it brings needs no wake-up (lanes.h).
+  select_.lanes_.join_loop(&router_.broker());
 }
 
 Receiver::~Receiver() {
   del_handler_on_broker(router_, handle_);
   for (Message& m : select_.lanes_.retire(lane_)) send_dead_reply(router_, m, reason::kSelectClosed);
+  select_.lanes_.leave_loop(&router_.broker());  // before the broker may go
 }
 
 }  // namespace spindle::services

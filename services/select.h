@@ -4,7 +4,10 @@
 // there into its Select; Select::get() returns the next message from any of
 // its receivers, or nothing when the timeout passes, like Mitogen's Select.
 // It costs no fd (a waiter sleeps on a futex word of its own), and a message
-// wakes at most one waiting thread (lanes.h: the wake rule). Several threads
+// wakes at most one waiting thread (lanes.h: the wake rule). While its
+// receivers' messages all come through one broker, a waiter runs that
+// broker's loop itself when no one else does (broker.h, leader/follower),
+// so the message it brings needs no wake-up at all. Several threads
 // may wait on one Select; receivers take turns (lanes.h: the fairness rule),
 // so a flooded receiver cannot hide another's messages.
 //
