@@ -136,7 +136,6 @@ std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
     if (closed_ || (draining_ && ring_.empty())) return std::nullopt;
     idle_.push_back(&self);
   }
-  bool may_lead = true;
   for (;;) {
     std::uint32_t v = self.word.load();
     if (v == 1) {
@@ -153,7 +152,7 @@ std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
     // nobody does any more.
     loop_users_.fetch_add(1, std::memory_order_seq_cst);
     tl_may_lead_for = this;
-    Broker* loop = may_lead ? loop_.load(std::memory_order_seq_cst) : nullptr;
+    Broker* loop = loop_.load(std::memory_order_seq_cst);
     Broker::Lead how = loop ? loop->lead_until(&WakeWord::is_set, &self.word, deadline) : Broker::Lead::kBusy;
     tl_may_lead_for = nullptr;
     loop_users_.fetch_sub(1, std::memory_order_seq_cst);
@@ -162,7 +161,6 @@ std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
       if (how == Broker::Lead::kBusy) self.would_lead.store(true, std::memory_order_relaxed);
       timed_out = how == Broker::Lead::kTimedOut;
     }
-    may_lead = true;  // after a wake-up, look at the loop again
     if (timed_out || !self.word.wait(0, deadline)) {
       std::lock_guard lk(mu_);
       auto it = std::find(idle_.begin(), idle_.end(), &self);
@@ -185,26 +183,24 @@ void LaneSet::join_loop(Broker* loop) {
     std::lock_guard lk(mu_);
     if (joined_count_++ == 0) {
       joined_ = loop;
-      joined_mixed_ = false;
       loop_.store(loop, std::memory_order_seq_cst);
       return;
     }
-    if (joined_mixed_ || joined_ == loop) return;
     // Messages now come through two loops: a taker running one would not
-    // see the other's. Nobody leads until every receiver has left.
-    joined_mixed_ = true;
+    // see the other's. Nobody leads (loop_ stays empty: "mixed") until
+    // every receiver has left.
+    if (joined_ == loop) return;
     stop = loop_.exchange(nullptr, std::memory_order_seq_cst);
   }
   if (stop) stop_leading(stop);
 }
 
-void LaneSet::leave_loop(Broker* /*loop*/) {
+void LaneSet::leave_loop() {
   Broker* stop = nullptr;
   {
     std::lock_guard lk(mu_);
     if (joined_count_ == 0 || --joined_count_ > 0) return;
     joined_ = nullptr;
-    joined_mixed_ = false;
     stop = loop_.exchange(nullptr, std::memory_order_seq_cst);
   }
   if (stop) stop_leading(stop);

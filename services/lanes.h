@@ -124,10 +124,10 @@ class LaneSet {
   void set_loop(Broker* loop) { loop_.store(loop, std::memory_order_seq_cst); }
   // A Select's: each receiver joins with its router's broker, and leaves
   // before that broker may go. Takers lead only while every receiver's
-  // messages come through one broker; leave_loop() returns once no taker
-  // runs the loop it leaves.
+  // messages come through one broker; the last leave_loop() returns once no
+  // taker runs the loop.
   void join_loop(Broker* loop);
-  void leave_loop(Broker* loop);
+  void leave_loop();
   void done(Lane& lane);
   // Refuses new messages; takers drain the queue, then get nothing.
   void begin_drain();
@@ -181,10 +181,11 @@ class LaneSet {
   LaneStats stats_;
   std::atomic<Broker*> loop_{nullptr};
   std::atomic<int> loop_users_{0};  // takers between loading loop_ and leaving its lead
-  // A Select's receivers (join_loop), under mu_.
+  // A Select's receivers (join_loop), under mu_: the first one's broker,
+  // and how many joined. With receivers on more than one broker, loop_ is
+  // empty and nobody leads.
   Broker* joined_ = nullptr;
   int joined_count_ = 0;
-  bool joined_mixed_ = false;  // receivers on more than one broker: nobody leads
 };
 
 }  // namespace spindle::services

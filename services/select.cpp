@@ -54,7 +54,7 @@ Receiver::Receiver(Router& router, Select& select, std::uint32_t handle, Handler
 Receiver::~Receiver() {
   del_handler_on_broker(router_, handle_);
   for (Message& m : select_.lanes_.retire(lane_)) send_dead_reply(router_, m, reason::kSelectClosed);
-  select_.lanes_.leave_loop(&router_.broker());  // before the broker may go
+  select_.lanes_.leave_loop();  // before the broker may go
 }
 
 }  // namespace spindle::services

@@ -8,6 +8,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -70,6 +71,18 @@ auto run_on(Broker& broker, F&& fn) -> std::invoke_result_t<F&> {
     std::_Exit(2);
   }
   return fut.get();
+}
+
+// The kernel thread id of the calling thread: lead tests check on which
+// thread the loop's work really ran.
+inline pid_t gettid_now() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
+
+// Until a thread other than the own one has begun to lead `b`'s loop
+// (lead_until counts it as it takes the loop), or kGuard passes.
+inline void wait_for_a_lead(Broker& b, std::uint64_t leads_before) {
+  const auto give_up = std::chrono::steady_clock::now() + kGuard;
+  while (b.stats().caller_leads == leads_before && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(1ms);
 }
 
 // A round trip through the broker's queue: everything posted before has run.

@@ -6,7 +6,6 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -38,10 +37,10 @@ namespace test_broker_lead {
 using namespace std::chrono_literals;
 using testutil::join_bounded;
 using testutil::kGuard;
+using testutil::gettid_now;
 using testutil::run_on;
+using testutil::wait_for_a_lead;
 using Clock = std::chrono::steady_clock;
-
-pid_t gettid_now() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
 
 // Makes the own thread step aside, as it does once it has woken a caller
 // that slept on a reply: it settles a sleeper on the loop.
@@ -66,12 +65,6 @@ Broker::Lead lead(Broker& b, const std::atomic<bool>& done, Clock::time_point de
       std::this_thread::yield();
     }
   }
-}
-
-// Until a caller has begun to lead (lead_until counts it as it takes the loop).
-void wait_for_a_lead(Broker& b, std::uint64_t leads_before) {
-  auto give_up = Clock::now() + kGuard;
-  while (b.stats().caller_leads == leads_before && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
 }
 
 long voluntary_switches(pid_t tid) {

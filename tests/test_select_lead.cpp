@@ -3,7 +3,6 @@
 // pool worker do (test_broker_lead.cpp). Each test checks on which kernel
 // thread the loop's work ran, and that a receiver leaving lets go of the
 // loop before its broker may be destroyed.
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -22,6 +21,7 @@
 #include "services/select.h"
 #include "tests/raw_peer.h"
 #include "tests/router_test_util.h"
+#include "tests/stream_test_util.h"
 
 namespace spindle {
 namespace test_select_lead {
@@ -29,8 +29,6 @@ namespace test_select_lead {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using namespace testutil;
-
-pid_t gettid_now() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
 
 // A thread taking messages from `sel` one at a time; it remembers its tid
 // and what it got.
@@ -91,9 +89,18 @@ class Peer {
   std::uint32_t id_ = 0;
 };
 
-void wait_for_a_lead(Broker& b, std::uint64_t before) {
-  const auto give_up = Clock::now() + 30s;
-  while (b.stats().caller_leads == before && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+// Two messages to `rx`, then until the taker leads `b`'s loop: the first
+// finds the taker asleep (the own thread held the loop); handing it over,
+// the own thread steps aside, and the taker's next wait leads. False if a
+// message did not arrive or no lead began; `got` counts what arrived.
+bool warm_until_a_lead(Broker& b, Peer& peer, const services::Receiver& rx, Taker& taker, int& got) {
+  const auto leads = b.stats().caller_leads;
+  for (int i = 0; i < 2; ++i) {
+    peer.ping(rx);
+    if (!taker.wait_for(++got)) return false;
+  }
+  wait_for_a_lead(b, leads);
+  return b.stats().caller_leads > leads;
 }
 
 TEST(SelectLead, AThreadWaitingInASelectRunsTheLoopThatBringsItsMessage) {
@@ -105,20 +112,11 @@ TEST(SelectLead, AThreadWaitingInASelectRunsTheLoopThatBringsItsMessage) {
   services::Receiver rx(router, sel);
   Peer peer(router);
   Taker taker(sel);
-  // The first message finds the taker asleep (the own thread held the
-  // loop); handing it over, the own thread steps aside, and the taker's
-  // next wait leads.
-  const auto leads = broker.stats().caller_leads;
-  for (int i = 1; i <= 2; ++i) {
-    peer.ping(rx);
-    ASSERT_TRUE(taker.wait_for(i));
-  }
-  wait_for_a_lead(broker, leads);
-  ASSERT_GT(broker.stats().caller_leads, leads) << "the waiting thread never ran the loop";
+  int sent = 0;
+  ASSERT_TRUE(warm_until_a_lead(broker, peer, rx, taker, sent)) << "the waiting thread never ran the loop";
   // On a busy machine the own thread may win the loop back between two
   // waits (a linger passed unused); each message gives the taker another
   // chance, and it must take it.
-  int sent = 2;
   bool on_taker = false;
   for (int round = 0; round < 20 && !on_taker; ++round) {
     peer.ping(rx, /*probe=*/true);
@@ -141,13 +139,8 @@ TEST(SelectLead, TheLastReceiverLeavingTakesTheLoopFromAWaitingThread) {
     auto rx = std::make_unique<services::Receiver>(*router, sel);
     auto peer = std::make_unique<Peer>(*router);
     taker.emplace(sel);
-    const auto leads = broker->stats().caller_leads;
-    for (int i = 1; i <= 2; ++i) {
-      peer->ping(*rx);
-      ASSERT_TRUE(taker->wait_for(i));
-    }
-    wait_for_a_lead(*broker, leads);
-    ASSERT_GT(broker->stats().caller_leads, leads);
+    int got = 0;
+    ASSERT_TRUE(warm_until_a_lead(*broker, *peer, *rx, *taker, got));
     const auto t0 = Clock::now();
     rx.reset();
     EXPECT_LT(Clock::now() - t0, 5s) << "leaving waited for the taker's 60 s wait";
@@ -159,7 +152,6 @@ TEST(SelectLead, TheLastReceiverLeavingTakesTheLoopFromAWaitingThread) {
     router.reset();
     broker.reset();
   }
-  std::this_thread::sleep_for(20ms);
   EXPECT_FALSE(taker->finished()) << "the taker stopped waiting when the receiver left";
   // A receiver on a new broker serves the same waiting thread.
   Broker broker2;
@@ -219,13 +211,8 @@ TEST(SelectLead, AReceiverOnASecondBrokerEndsTheLeadAndBothAreServed) {
   services::Receiver rx1(r1, sel);
   Peer p1(r1);
   Taker taker(sel);
-  const auto leads = b1.stats().caller_leads;
-  for (int i = 1; i <= 2; ++i) {
-    p1.ping(rx1);
-    ASSERT_TRUE(taker.wait_for(i));
-  }
-  wait_for_a_lead(b1, leads);
-  ASSERT_GT(b1.stats().caller_leads, leads) << "the waiting thread never ran the first loop";
+  int got = 0;
+  ASSERT_TRUE(warm_until_a_lead(b1, p1, rx1, taker, got)) << "the waiting thread never ran the first loop";
   services::Receiver rx2(r2, sel);
   Peer p2(r2);
   p2.ping(rx2);
