@@ -20,6 +20,7 @@ inline constexpr std::size_t kDefaultHighWaterMark = 8u << 20;         // 8 MiB
 inline constexpr std::size_t kDefaultPeerMemoryLimit = 64u << 20;      // 64 MiB
 inline constexpr std::size_t kDefaultGlobalMemoryLimit = 1024u << 20;  // 1 GiB
 inline constexpr std::size_t kDefaultOutboxSize = 1u << 20;            // 1 MiB
+inline constexpr std::chrono::microseconds kDefaultWaitSpin{50};
 
 struct RouterOptions {
   std::string name;  // this context's name, for logs
@@ -46,6 +47,14 @@ struct RouterOptions {
   // Log lines a peer may cause per second (FORWARD_LOG, refusals), and burst.
   double peer_log_rate = 50;
   double peer_log_burst = 200;
+  // A thread that waits for what this context's loop brings (a call's
+  // answer, a job for a pool worker or serve(), a Select) and runs the loop
+  // meanwhile polls it for up to this long before it sleeps. An answer
+  // within the window costs neither side a wake-up, which on a VM is the
+  // dearest part of a round trip; the price is up to this much CPU per wait,
+  // and a thread whose polls keep finding nothing stops polling for a while.
+  // 0 never polls. (docs/GUIDE.md, "Threads")
+  std::chrono::microseconds wait_spin = kDefaultWaitSpin;
 };
 
 }  // namespace spindle

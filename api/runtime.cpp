@@ -21,7 +21,8 @@
 namespace spindle {
 
 struct Runtime::Impl {
-  explicit Impl(RouterOptions opts) : router(broker, std::move(opts)) {}
+  explicit Impl(RouterOptions opts)
+      : broker(Broker::Options{.wait_spin = opts.wait_spin}), router(broker, std::move(opts)) {}
   Impl(asio::io_context& loop, RouterOptions opts)
       : broker(loop, Broker::Options{}), router(broker, std::move(opts)) {}
   Broker broker;

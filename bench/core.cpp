@@ -217,10 +217,21 @@ int epoll_for(int fd, bool wanted) {
 }
 
 // With an epoll instance: waits until its fd is readable, as an event loop
-// does before it reads. Nothing without one.
-void await_readable(int ep) {
+// does before it reads. Nothing without one. `poll_first`: polls (a zero
+// timeout) for up to spindle::kDefaultWaitSpin first, yielding the CPU
+// between polls, as a Spindle caller that leads its loop does.
+void await_readable(int ep, bool poll_first = false) {
   if (ep < 0) return;
   epoll_event ev;
+  if (poll_first) {
+    const auto until = Clock::now() + spindle::kDefaultWaitSpin;
+    while (Clock::now() < until) {
+      int n = ::epoll_wait(ep, &ev, 1, 0);
+      if (n > 0) return;
+      if (n < 0 && errno != EINTR) fail_errno("epoll_wait");
+      ::sched_yield();
+    }
+  }
   while (::epoll_wait(ep, &ev, 1, -1) < 0)
     if (errno != EINTR) fail_errno("epoll_wait");
 }
@@ -501,7 +512,11 @@ double semaphore_rtt_us(const Config& cfg, int cpu) {
 
 // via_epoll: both sides wait in epoll_wait before each read, as any
 // one-loop-for-every-connection design must (the floor of such a design).
-RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu, bool via_epoll = false) {
+// caller_polls (with via_epoll): the caller polls before it sleeps, exactly
+// as Spindle's does (RouterOptions::wait_spin), and the echo side sleeps as
+// the broker thread that answers Spindle's call does: that design's floor.
+RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu, bool via_epoll = false,
+               bool caller_polls = false) {
   pin_this_thread(parent_cpu);
   RttRun run;
   RawChild c = fork_raw([child_cpu, via_epoll](int fd) {
@@ -547,7 +562,7 @@ RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu, bool via_epoll 
     }
     auto t0 = Clock::now();
     write_all(c.fd, msg, kSmall);
-    await_readable(ep);
+    await_readable(ep, caller_polls);
     if (!read_all(c.fd, back, kSmall)) throw std::runtime_error("raw echo: EOF");
     auto t1 = Clock::now();
     if (std::memcmp(msg, back, kSmall) != 0) throw std::runtime_error("raw echo: wrong bytes");
@@ -588,6 +603,11 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
     Stats e = summarize(raw_rtt(cfg, k.parent, k.child, true).us);
     g_report.add(name + "_raw_epoll", e.median, "us", r.median);
     g_report.add(name + "_over_raw_epoll", s.median, "us", e.median);
+    // Spindle's caller polls before it sleeps (wait_spin): the same raw
+    // ping-pong with the caller polling, and Spindle against it.
+    Stats pl = summarize(raw_rtt(cfg, k.parent, k.child, true, true).us);
+    g_report.add(name + "_raw_caller_polls", pl.median, "us", r.median);
+    g_report.add(name + "_over_raw_caller_polls", s.median, "us", pl.median);
     g_notes.push_back(fmt::format(
         "rtt {}: {} calls after {} warm-up; spindle cpus: parent main {} broker {}, child broker {}; "
         "raw cpus: parent {} child {}",

@@ -10,6 +10,8 @@
 // thread it starts; errors in any of them are rethrown.
 #pragma once
 
+#include <poll.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -28,6 +30,7 @@
 
 #include "bench/relay.h"
 #include "spindle/frame.h"
+#include "spindle/options.h"
 
 namespace spindle::bench {
 
@@ -61,7 +64,21 @@ inline void write_exact(int fd, const void* p, std::size_t n) {
 }
 
 // Round trips of one frame A -> relay -> B (echo) -> relay -> A, in us.
-inline std::vector<double> relay_rtt(std::size_t body, int warmup, int iters) {
+// `caller_polls`: A polls for its answer before it sleeps, as a Spindle
+// caller that leads its loop does (RouterOptions::wait_spin); the relay and
+// the echo sleep, as the router's and the callee's broker threads do.
+inline void poll_before_read(int fd) {
+  const auto until = std::chrono::steady_clock::now() + kDefaultWaitSpin;
+  pollfd p{fd, POLLIN, 0};
+  while (std::chrono::steady_clock::now() < until) {
+    int n = ::poll(&p, 1, 0);
+    if (n > 0) return;
+    if (n < 0 && errno != EINTR) relay_fail("poll");
+    ::sched_yield();
+  }
+}
+
+inline std::vector<double> relay_rtt(std::size_t body, int warmup, int iters, bool caller_polls = false) {
   using Clock = std::chrono::steady_clock;
   auto a = stream_pair(), b = stream_pair();  // [0]: the client's end, [1]: the relay's
   std::vector<double> us;
@@ -90,6 +107,7 @@ inline std::vector<double> relay_rtt(std::size_t body, int warmup, int iters) {
       for (int i = 0; i < warmup + iters; ++i) {
         auto t0 = Clock::now();
         write_exact(a[0], req.data(), req.size());
+        if (caller_polls) poll_before_read(a[0]);
         if (!read_exact(a[0], back.data(), back.size())) throw std::runtime_error(kErrRelayEof);
         auto t1 = Clock::now();
         if (decode_header(back.data()).dst_id != 1 ||

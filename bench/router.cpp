@@ -223,6 +223,11 @@ int run(const Config& cfg, bench::Report& report) {
               cfg.rtt_iters, sp.median, sp.p99, raw.median, raw.p99);
   report.add("routed_rtt_64B", sp.median, "us", raw.median);
   report.add("routed_rtt_64B_p99", sp.p99, "us", raw.p99);
+  // Spindle's caller polls before it sleeps (wait_spin): the same relay with
+  // the caller polling, and Spindle against it.
+  auto raw_polls = bench::percentiles(bench::relay_rtt(kSize, cfg.rtt_warmup, cfg.rtt_iters, true));
+  report.add("routed_rtt_64B_raw_caller_polls", raw_polls.median, "us", raw.median);
+  report.add("routed_rtt_64B_over_raw_caller_polls", sp.median, "us", raw_polls.median);
 
   // Throughput, N pairs.
   std::vector<std::pair<int, double>> floors;

@@ -247,7 +247,7 @@ void Broker::remove_wake_sink(int id) {
 
 Broker::Stats Broker::stats() const {
   return Stats{deferred_count_.load(), wakeups_.load(), drains_.load(), leads_.load(),
-               loop_returns_.load()};
+               loop_returns_.load(), wait_polls_.load(), wait_polls_answered_.load()};
 }
 
 // A timer requested from another thread is created later, on the broker

@@ -47,6 +47,9 @@
 // loop at a time (loop_owner_), and on_broker_thread() is true on whichever
 // does: every rule for "the broker thread" holds for it. The price: a
 // socket event that arrives while the loop is free waits up to kLinger.
+// A leading thread first polls the loop for up to Options::wait_spin
+// (yielding between polls) and only then sleeps in epoll_wait: an answer
+// that comes within that window costs neither side a wake-up.
 //
 // Ownership: the owner of a Broker destroys it; the destructor shuts down and
 // joins. Participants are borrowed and must unregister before they die. A
@@ -76,6 +79,7 @@
 #include <boost/lockfree/queue.hpp>
 
 #include "broker/process.h"
+#include "spindle/options.h"
 
 namespace spindle {
 
@@ -98,6 +102,9 @@ class Broker {
 
   struct Options {
     std::chrono::milliseconds shutdown_grace{5000};
+    // A thread that leads the loop while it waits (lead_until) polls it for
+    // up to this long before it sleeps in epoll_wait; 0 never polls.
+    std::chrono::microseconds wait_spin{kDefaultWaitSpin};
   };
 
   struct Stats {
@@ -106,6 +113,8 @@ class Broker {
     std::uint64_t drains = 0;         // times the loop drained the defer queue
     std::uint64_t caller_leads = 0;   // waits in which a caller ran the loop itself
     std::uint64_t loop_returns = 0;   // times the own thread took the loop back
+    std::uint64_t wait_polls = 0;     // leads that polled before sleeping (wait_spin)
+    std::uint64_t wait_polls_answered = 0;  // ... and were answered while polling
   };
 
   enum class State { kRunning, kDraining, kStopped };
@@ -251,6 +260,7 @@ class Broker {
   bool claim_loop(std::uint32_t who);
   void release_loop();
   std::size_t run_one_handler(Clock::time_point deadline);
+  void poll_while_waiting(bool (*done)(const void*), const void* ctx, Clock::time_point deadline);
   void serve();
   void step_aside();
   void nudge_dedicated();
@@ -297,6 +307,7 @@ class Broker {
   // whole linger with no caller leading.
   std::atomic<std::uint32_t> leads_{0};
   std::atomic<std::uint64_t> loop_returns_{0};
+  std::atomic<std::uint64_t> wait_polls_{0}, wait_polls_answered_{0};
   // The own thread sleeps until the leading caller leaves (a long lead).
   std::atomic<bool> awaiting_release_{false};
   std::size_t queued_input_turns_ = 0;  // loop thread

@@ -169,9 +169,9 @@ int run_python_main(PyObject* main, ChildEnv& env) {
 
 struct PyRuntime {
   std::unique_ptr<Runtime> rt;
-  std::uint32_t max_message_size;  // this router's and its children's
+  RouterOptions child_router;  // its children's: this router's limit and wait_spin
 
-  PyRuntime(std::unique_ptr<Runtime> r, std::uint32_t max) : rt(std::move(r)), max_message_size(max) {}
+  PyRuntime(std::unique_ptr<Runtime> r, RouterOptions children) : rt(std::move(r)), child_router(std::move(children)) {}
   PyRuntime(PyRuntime&&) = default;
   ~PyRuntime() { destroy_without_gil(rt); }
 
@@ -182,8 +182,8 @@ struct PyRuntime {
   PyChild fork(py::object main, const std::string& name) {
     Runtime& r = get();
     ChildOptions opts;
+    opts.router = child_router;
     opts.name = name;
-    opts.router.max_message_size = max_message_size;
     // Borrowed: the caller's frame keeps `main` alive across the fork, and
     // a raw pointer can be copied without the GIL's reference counting.
     PyObject* fn = main.ptr();
@@ -207,8 +207,8 @@ struct PyRuntime {
                 const std::string& name) {
     Runtime& r = get();
     ChildOptions opts;
+    opts.router = child_router;
     opts.name = name;
-    opts.router.max_message_size = max_message_size;
     py::gil_scoped_release nogil;
     return PyChild{std::make_unique<Child>(r.spawn_child(program, args, std::move(opts)))};
   }
@@ -218,7 +218,8 @@ struct PyRuntime {
   // large as this router's children do.
   PyChild ssh(const std::string& host, SshOptions opts, std::optional<PyContext> via) {
     Runtime& r = get();
-    opts.router.max_message_size = max_message_size;
+    opts.router.max_message_size = child_router.max_message_size;
+    opts.router.wait_spin = child_router.wait_spin;
     if (via) opts.via = via->ctx;
     py::gil_scoped_release nogil;
     return PyChild{std::make_unique<Child>(r.ssh(host, std::move(opts)))};
@@ -323,14 +324,21 @@ void bind_runtime_objects(py::module_& m) {
       .def("serve", &PyChildEnv::serve)
       .def("port", [](PyChildEnv& e) { return make_port(e.env->router()); });
 
+  m.attr("DEFAULT_WAIT_SPIN") = std::chrono::duration<double>(kDefaultWaitSpin).count();
   py::class_<PyRuntime>(m, "Runtime")
-      .def(py::init([](std::uint32_t max_message_size) {
+      .def(py::init([](std::uint32_t max_message_size, double wait_spin) {
+             if (!(wait_spin >= 0 && wait_spin <= 1))
+               throw py::value_error("spindle: wait_spin is 0 to 1 seconds");
              RouterOptions opts;
              opts.max_message_size = max_message_size;
+             opts.wait_spin = std::chrono::microseconds(static_cast<std::int64_t>(wait_spin * 1e6));
+             RouterOptions children;
+             children.max_message_size = opts.max_message_size;
+             children.wait_spin = opts.wait_spin;
              py::gil_scoped_release nogil;
-             return PyRuntime{std::make_unique<Runtime>(std::move(opts)), max_message_size};
+             return PyRuntime{std::make_unique<Runtime>(std::move(opts)), std::move(children)};
            }),
-           py::arg("max_message_size"))
+           py::arg("max_message_size"), py::arg("wait_spin"))
       .def_property_readonly("id", [](PyRuntime& r) { return r.get().id(); })
       .def("fork", &PyRuntime::fork)
       .def("spawn", &PyRuntime::spawn)

@@ -63,7 +63,7 @@ constexpr const char* kRefusedBadRequest = "the zygote refused a malformed reque
 struct WireOptions {
   std::uint64_t high_water_mark, fd_quota, memfd_threshold, peer_memory_limit, memory_limit,
       outbox_size;
-  std::int64_t handshake_timeout_ms, stall_timeout_ms;
+  std::int64_t handshake_timeout_ms, stall_timeout_ms, wait_spin_us;
   double peer_log_rate, peer_log_burst;
   std::uint32_t max_message_size;
   std::uint8_t unidirectional, accept_client_logs;
@@ -73,7 +73,7 @@ WireOptions to_wire(const RouterOptions& o) {
   return {o.high_water_mark,       o.fd_quota,
           o.memfd_threshold,       o.peer_memory_limit,
           o.memory_limit,          o.outbox_size,
-          o.handshake_timeout.count(), o.stall_timeout.count(),
+          o.handshake_timeout.count(), o.stall_timeout.count(), o.wait_spin.count(),
           o.peer_log_rate,         o.peer_log_burst,
           o.max_message_size,      o.unidirectional,
           o.accept_client_logs};
@@ -91,6 +91,7 @@ RouterOptions from_wire(const WireOptions& w, std::string name) {
   o.peer_memory_limit = w.peer_memory_limit;
   o.memory_limit = w.memory_limit;
   o.stall_timeout = std::chrono::milliseconds(w.stall_timeout_ms);
+  o.wait_spin = std::chrono::microseconds(w.wait_spin_us);
   o.outbox_size = w.outbox_size;
   o.accept_client_logs = w.accept_client_logs != 0;
   o.peer_log_rate = w.peer_log_rate;

@@ -173,6 +173,8 @@ class _Endpoint:
 # The largest message between a Router and its children (a large buffer
 # argument or result is one message): Router(max_message_size=...) changes it.
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 30
+#: Seconds a waiting thread polls before it sleeps (C++ kDefaultWaitSpin).
+DEFAULT_WAIT_SPIN = _spindle.DEFAULT_WAIT_SPIN
 
 
 class Router(_Endpoint):
@@ -185,11 +187,14 @@ class Router(_Endpoint):
     calls still pending with ShutdownError.
     """
 
-    def __init__(self, *, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
+    def __init__(self, *, max_message_size=DEFAULT_MAX_MESSAGE_SIZE, wait_spin=DEFAULT_WAIT_SPIN):
         # Its own children are trusted, and a large array travels as one
         # message (a sealed memfd): hence 1 GiB, not the C++ default 128 MiB.
+        # wait_spin (seconds; this router's and its forked children's): a
+        # thread waiting for a call's answer, a job or a message polls for up
+        # to this long before it sleeps (RouterOptions::wait_spin); 0: never.
         self._max_message_size = int(max_message_size)
-        self._core = _spindle.Runtime(self._max_message_size)
+        self._core = _spindle.Runtime(self._max_message_size, float(wait_spin))
         self._owner = _Owner("Router", allow_pickle=True)  # its own children only
         self._owner._port = self._core.port()
         self._children = []

@@ -17,6 +17,22 @@ def test_module_function_runs_in_the_child(child):
     assert child.call(pyfuncs.getpid) == child.pid != os.getpid()
 
 
+@pytest.mark.parametrize("spin", [0, 1e-3])
+def test_wait_spin_zero_or_more_serves_calls_both_ways(spin):
+    # The window only decides whether a waiting thread polls before it
+    # sleeps; calls and the child's serving thread work the same either way.
+    with spindle.Router(wait_spin=spin) as router:
+        child = router.fork()
+        assert [child.call(pyfuncs.square, n) for n in range(50)] == [n * n for n in range(50)]
+        assert child.call_async(pyfuncs.square, 9).result(timeout=10) == 81
+
+
+@pytest.mark.parametrize("bad", [-1e-6, 2.0, float("nan")])
+def test_wait_spin_out_of_range_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="wait_spin is 0 to 1 seconds"):
+        spindle.Router(wait_spin=bad)
+
+
 def test_keyword_arguments(child):
     assert child.call(pyfuncs.add, 1, 2, c=3) == 6
     assert child.call(pyfuncs.add, 1, b=10) == 11

@@ -1,0 +1,173 @@
+// A leader polls before it sleeps (Broker::Options::wait_spin,
+// RouterOptions::wait_spin; loop_lead.cpp): an answer that comes within the
+// window is taken without sleeping, a thread whose windows keep finding
+// nothing stops polling for a while and then looks again, and 0 never polls.
+// Each test counts what the broker did (Stats) and, where it matters,
+// whether the waiting kernel thread slept at all.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include <spindle/spindle.h>
+
+#include "broker/broker.h"
+#include "stream_test_util.h"
+#include "tests/router_test_util.h"
+
+namespace spindle {
+namespace test_wait_spin {
+
+using namespace std::chrono_literals;
+using testutil::gettid_now;
+using testutil::kGuard;
+using testutil::run_on;
+using Clock = std::chrono::steady_clock;
+
+bool flag_set(const void* p) { return static_cast<const std::atomic<bool>*>(p)->load(); }
+
+long voluntary_switches(pid_t tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
+  return -1;
+}
+
+// Leads until `done` or `deadline`, after making the own thread step aside
+// (as it does once it has woken a sleeping caller); retried while the own
+// thread is still on its way out of the loop. `before_lead` runs between
+// the hand-over and the lead, on this thread.
+template <class BeforeLead>
+Broker::Lead lead(Broker& b, const std::atomic<bool>& done, Clock::time_point deadline,
+                  BeforeLead before_lead) {
+  const auto give_up = Clock::now() + kGuard;
+  while (true) {
+    b.add_sleeper();
+    run_on(b, [&] { b.settle_sleeper(); });
+    before_lead();
+    for (int i = 0; i < 1000; ++i) {
+      Broker::Lead how = b.lead_until(&flag_set, &done, deadline);
+      if (how != Broker::Lead::kBusy || Clock::now() > give_up) return how;
+      std::this_thread::yield();
+    }
+  }
+}
+
+Broker::Lead lead(Broker& b, const std::atomic<bool>& done, Clock::time_point deadline) {
+  return lead(b, done, deadline, [] {});
+}
+
+// Sets `done` through the loop (defer) once the broker has begun one more
+// polling window than `polls_before`: an answer that surely comes while the
+// leader polls, when the window is long. Notes then how often `leader` had
+// slept so far (voluntary context switches), when asked to.
+std::thread answer_while_polling(Broker& b, std::uint64_t polls_before, std::atomic<bool>& done,
+                                 pid_t leader = 0, std::atomic<long>* slept_before = nullptr) {
+  return std::thread([&b, polls_before, &done, leader, slept_before] {
+    const auto give_up = Clock::now() + kGuard;
+    while (b.stats().wait_polls == polls_before && Clock::now() < give_up) std::this_thread::yield();
+    if (slept_before) *slept_before = voluntary_switches(leader);
+    b.defer([&done] { done = true; });
+  });
+}
+
+TEST(WaitSpin, AnAnswerWithinTheWindowIsTakenWithoutSleeping) {
+  Broker broker(Broker::Options{.wait_spin = 10s});
+  std::atomic<bool> done{false};
+  std::atomic<long> slept_before{-1};
+  const auto before = broker.stats();
+  std::thread answerer;
+  ASSERT_EQ(lead(broker, done, Clock::now() + kGuard,
+                 [&] {
+                   if (!answerer.joinable())
+                     answerer = answer_while_polling(broker, before.wait_polls, done, gettid_now(), &slept_before);
+                 }),
+            Broker::Lead::kDone);
+  const long slept_after = voluntary_switches(gettid_now());
+  answerer.join();
+  const auto after = broker.stats();
+  EXPECT_EQ(after.wait_polls, before.wait_polls + 1);
+  EXPECT_EQ(after.wait_polls_answered, before.wait_polls_answered + 1);
+  EXPECT_EQ(slept_after, slept_before.load())
+      << "the leader slept although the answer came while it polled";
+}
+
+TEST(WaitSpin, ZeroNeverPolls) {
+  Broker broker(Broker::Options{.wait_spin = 0us});
+  std::atomic<bool> done{false};
+  std::thread setter;
+  ASSERT_EQ(lead(broker, done, Clock::now() + kGuard,
+                 [&] {
+                   if (!setter.joinable())
+                     setter = std::thread([&] { broker.call_later(2ms, [&done] { done = true; }); });
+                 }),
+            Broker::Lead::kDone);
+  setter.join();
+  EXPECT_EQ(broker.stats().wait_polls, 0u);
+}
+
+// Windows that end unanswered (here: the lead's deadline comes first) four
+// times in a row make the thread sleep at once for its next 15 waits; the
+// 16th polls again, and an answer then restores polling on every wait.
+TEST(WaitSpin, AThreadWhosePollsFindNothingBacksOffAndLooksAgain) {
+  Broker broker(Broker::Options{.wait_spin = 10s});
+  std::thread([&] {  // a fresh thread: the history is per thread
+    std::atomic<bool> never{false};
+    auto polls = [&] { return broker.stats().wait_polls; };
+    for (int i = 0; i < 4; ++i) {
+      const auto p = polls();
+      EXPECT_EQ(lead(broker, never, Clock::now() + 2ms), Broker::Lead::kTimedOut);
+      EXPECT_EQ(polls(), p + 1) << "miss " << i << " did not poll";
+    }
+    const auto p = polls();
+    for (int i = 0; i < 15; ++i) EXPECT_EQ(lead(broker, never, Clock::now() + 1ms), Broker::Lead::kTimedOut);
+    EXPECT_EQ(polls(), p) << "a thread whose last four windows missed still polled";
+    for (int round = 0; round < 2; ++round) {  // the probe, then polling as before
+      std::atomic<bool> done{false};
+      const auto st = broker.stats();
+      std::thread answerer;
+      EXPECT_EQ(lead(broker, done, Clock::now() + kGuard,
+                     [&] {
+                       if (!answerer.joinable()) answerer = answer_while_polling(broker, st.wait_polls, done);
+                     }),
+                Broker::Lead::kDone);
+      answerer.join();
+      EXPECT_EQ(broker.stats().wait_polls, st.wait_polls + 1) << "round " << round;
+      EXPECT_EQ(broker.stats().wait_polls_answered, st.wait_polls_answered + 1) << "round " << round;
+    }
+  }).join();
+}
+
+int echo_child(ChildEnv& env) {
+  env.expose(method<long(long)>{"echo"}, [](long n) { return n; });
+  return env.serve();
+}
+
+// RouterOptions::wait_spin reaches the broker of the runtime that is given
+// it: blocking calls to a real forked child poll (and, with a long window,
+// are answered while polling), and with 0 they never poll.
+TEST(WaitSpin, RouterOptionsSetTheRuntimesWindow) {
+  for (auto spin : {std::chrono::microseconds(10s), std::chrono::microseconds(0)}) {
+    Runtime rt(RouterOptions{.name = "spin-parent", .wait_spin = spin});
+    Child child = rt.fork_child(echo_child, {.name = "spin-echo"});
+    for (long i = 0; i < 50; ++i) ASSERT_EQ(child.call(method<long(long)>{"echo"}, i), i);
+    const auto st = rt.broker().stats();
+    if (spin.count() > 0) {
+      EXPECT_GT(st.caller_leads, 0u);
+      EXPECT_EQ(st.wait_polls_answered, st.wait_polls) << "a 10 s window missed an echo";
+      EXPECT_GT(st.wait_polls, 0u);
+    } else {
+      EXPECT_EQ(st.wait_polls, 0u);
+    }
+    EXPECT_EQ(child.stop(), 0);
+  }
+}
+
+}  // namespace test_wait_spin
+}  // namespace spindle
