@@ -475,24 +475,29 @@ def memcpy_fresh_4k_seconds(src):
 # Measurements
 # ---------------------------------------------------------------------------
 
-def time_calls(fn, n, warmup):
+def time_calls(fn, n, warmup, cpu=None):
+    """Median and p99 of fn's wall time (us); with `cpu` (a list), appends
+    this process's CPU time per call (us, all its threads) to it."""
     for _ in range(warmup):
         fn()
     samples = []
     clock = time.perf_counter_ns
+    cpu0 = time.process_time()
     for _ in range(n):
         t = clock()
         fn()
         samples.append(clock() - t)
+    if cpu is not None:
+        cpu.append((time.process_time() - cpu0) / n * 1e6)
     samples.sort()
     return samples[len(samples) // 2] / 1e3, samples[int(0.99 * (len(samples) - 1))] / 1e3
 
 
-def small_rtt(peer, n, warmup):
+def small_rtt(peer, n, warmup, cpu=None):
     def one():
         if peer.call(echo, 1) != 1:
             raise RuntimeError(f"{peer.name}: wrong reply")
-    return time_calls(one, n, warmup)
+    return time_calls(one, n, warmup, cpu)
 
 
 def in_flight(peer, calls, reps):
@@ -655,14 +660,20 @@ def main():
     messages = SpindleMessages()
 
     # 1. A small call's round trip.
-    floor_us, floor_p99 = time_calls(raw.rtt, n_calls, warmup)
+    # Beside each: the calling process's CPU per call (all its threads; a
+    # Spindle caller polls before it sleeps, which the others do not).
+    cpu = []
+    floor_us, floor_p99 = time_calls(raw.rtt, n_calls, warmup, cpu)
+    floor_cpu = cpu[-1]
     report.add("py_rtt_raw_pipe_bytes", floor_us, "us")
+    report.add("py_rtt_raw_pipe_bytes_caller_cpu", floor_cpu, "us")
     rtts = {}
     for p in peers:
-        med, p99 = small_rtt(p, n_calls, warmup)
+        med, p99 = small_rtt(p, n_calls, warmup, cpu)
         rtts[p.name] = med
         report.add(f"py_rtt_call_{p.name}", med, "us", floor_us)
         report.add(f"py_rtt_call_{p.name}_p99", p99, "us", floor_p99)
+        report.add(f"py_rtt_call_{p.name}_caller_cpu", cpu[-1], "us", floor_cpu)
     # The same round trip as messages through receivers (no call machinery).
     med, p99 = time_calls(messages.rtt, n_calls, warmup)
     report.add("py_rtt_messages_spindle", med, "us", floor_us)
