@@ -49,7 +49,7 @@ Connection Connection::open(const std::string& socket, ConnectOptions opts) {
 }
 
 Connection::Connection(RouterOptions opts)
-    : broker_(std::make_unique<Broker>(Broker::Options{.wait_spin = opts.wait_spin})),
+    : broker_(std::make_unique<Broker>(Broker::options_for(opts))),
       router_(std::make_unique<Router>(*broker_, std::move(opts))) {}
 
 Connection::Connection(Connection&&) noexcept = default;

@@ -22,7 +22,7 @@ namespace spindle {
 
 struct Runtime::Impl {
   explicit Impl(RouterOptions opts)
-      : broker(Broker::Options{.wait_spin = opts.wait_spin}), router(broker, std::move(opts)) {}
+      : broker(Broker::options_for(opts)), router(broker, std::move(opts)) {}
   Impl(asio::io_context& loop, RouterOptions opts)
       : broker(loop, Broker::Options{}), router(broker, std::move(opts)) {}
   Broker broker;

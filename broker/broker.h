@@ -49,7 +49,8 @@
 // socket event that arrives while the loop is free waits up to kLinger.
 // A leading thread first polls the loop for up to Options::wait_spin
 // (yielding between polls) and only then sleeps in epoll_wait: an answer
-// that comes within that window costs neither side a wake-up.
+// that comes within that window costs neither side a wake-up. The own
+// thread does the same after each turn only if Options::own_thread_polls.
 //
 // Ownership: the owner of a Broker destroys it; the destructor shuts down and
 // joins. Participants are borrowed and must unregister before they die. A
@@ -105,7 +106,14 @@ class Broker {
     // A thread that leads the loop while it waits (lead_until) polls it for
     // up to this long before it sleeps in epoll_wait; 0 never polls.
     std::chrono::microseconds wait_spin{kDefaultWaitSpin};
+    // The own thread polls too, after each turn (the same window): for a
+    // process whose own thread does the answering (spindle-router).
+    bool own_thread_polls = false;
   };
+  // What a context's RouterOptions ask of its broker.
+  static Options options_for(const RouterOptions& ro) {
+    return Options{.wait_spin = ro.wait_spin, .own_thread_polls = ro.own_thread_polls};
+  }
 
   struct Stats {
     std::uint64_t deferred = 0;       // functions accepted by defer() from other threads
@@ -113,7 +121,7 @@ class Broker {
     std::uint64_t drains = 0;         // times the loop drained the defer queue
     std::uint64_t caller_leads = 0;   // waits in which a caller ran the loop itself
     std::uint64_t loop_returns = 0;   // times the own thread took the loop back
-    std::uint64_t wait_polls = 0;     // leads that polled before sleeping (wait_spin)
+    std::uint64_t wait_polls = 0;     // waits that polled before sleeping (wait_spin)
     std::uint64_t wait_polls_answered = 0;  // ... and were answered while polling
   };
 
@@ -260,7 +268,8 @@ class Broker {
   bool claim_loop(std::uint32_t who);
   void release_loop();
   std::size_t run_one_handler(Clock::time_point deadline);
-  void poll_while_waiting(bool (*done)(const void*), const void* ctx, Clock::time_point deadline);
+  template <class Answered>
+  std::size_t poll_window(Answered answered, Clock::time_point deadline);
   void serve();
   void step_aside();
   void nudge_dedicated();

@@ -55,6 +55,36 @@ constexpr std::uint8_t kBackOffWaits = 15;
 
 }  // namespace
 
+// The first Options::wait_spin of a wait: runs what is ready without
+// sleeping, yielding the CPU after each empty poll, until answered(handlers
+// run so far in this window), the window ends or the loop stops. Returns
+// the handlers run; skipped (0) while this thread backs off (SpinHistory).
+template <class Answered>
+std::size_t Broker::poll_window(Answered answered, Clock::time_point deadline) {
+  if (opts_.wait_spin.count() <= 0) return 0;
+  if (tl_spin.skip > 0) {
+    --tl_spin.skip;
+    return 0;
+  }
+  wait_polls_.fetch_add(1, std::memory_order_relaxed);
+  const Clock::time_point until = std::min(Clock::now() + opts_.wait_spin, deadline);
+  std::size_t ran = 0;
+  bool hit = false;
+  while (!(hit = answered(ran)) && !io_.stopped() && Clock::now() < until) {
+    const std::size_t n = run_one_handler(Clock::time_point::min());
+    ran += n;
+    if (n == 0) sched_yield();
+  }
+  if (hit) {
+    wait_polls_answered_.fetch_add(1, std::memory_order_relaxed);
+    tl_spin.misses = 0;
+  } else if (++tl_spin.misses >= kMissesToBackOff) {
+    tl_spin.misses = kMissesToBackOff;  // the next probe that misses backs off again
+    tl_spin.skip = kBackOffWaits;
+  }
+  return ran;
+}
+
 // Takes the free loop for the calling thread, as `who`.
 bool Broker::claim_loop(std::uint32_t who) {
   std::uint32_t expect = kLoopFree;
@@ -86,9 +116,14 @@ std::size_t Broker::run_one_handler(Clock::time_point deadline) {
 }
 
 // The own thread, holding the loop: runs it until it stops, or until it has
-// woken a sleeping caller and no other caller sleeps.
+// woken a sleeping caller and no other caller sleeps. With own_thread_polls
+// it polls for its next turn first; a window in which a handler ran counts
+// as answered.
 void Broker::serve() {
-  while (run_one_handler(Clock::time_point::max()) != 0) {
+  while (true) {
+    const bool polled = opts_.own_thread_polls &&
+                        poll_window([](std::size_t ran) { return ran > 0; }, Clock::time_point::max()) != 0;
+    if (!polled && run_one_handler(Clock::time_point::max()) == 0) return;  // the loop stopped
     if (!step_aside_) continue;
     step_aside_ = false;
     if (sleepers_.load(std::memory_order_relaxed) == 0) return;
@@ -160,7 +195,7 @@ Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Cloc
   }
   leads_.fetch_add(1, std::memory_order_relaxed);
   Lead how = Lead::kDone;
-  poll_while_waiting(done, ctx, deadline);
+  if (!done(ctx)) poll_window([done, ctx](std::size_t) { return done(ctx); }, deadline);
   while (!done(ctx)) {
     if (run_one_handler(deadline) == 0) {
       how = io_.stopped() ? Lead::kStopped : Lead::kTimedOut;
@@ -184,29 +219,6 @@ Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Cloc
       awaiting_release_.load(std::memory_order_seq_cst) || io_.stopped())
     nudge_dedicated();
   return how;
-}
-
-// The leader's first Options::wait_spin: runs what is ready without
-// sleeping, yielding the CPU between polls, until done(ctx), the window ends
-// or the loop stops.
-void Broker::poll_while_waiting(bool (*done)(const void*), const void* ctx, Clock::time_point deadline) {
-  if (opts_.wait_spin.count() <= 0 || done(ctx)) return;
-  if (tl_spin.skip > 0) {
-    --tl_spin.skip;
-    return;
-  }
-  wait_polls_.fetch_add(1, std::memory_order_relaxed);
-  const Clock::time_point until = std::min(Clock::now() + opts_.wait_spin, deadline);
-  bool answered = false;
-  while (!(answered = done(ctx)) && !io_.stopped() && Clock::now() < until)
-    if (run_one_handler(Clock::time_point::min()) == 0) sched_yield();
-  if (answered) {
-    wait_polls_answered_.fetch_add(1, std::memory_order_relaxed);
-    tl_spin.misses = 0;
-  } else if (++tl_spin.misses >= kMissesToBackOff) {
-    tl_spin.misses = kMissesToBackOff;  // the next probe that misses backs off again
-    tl_spin.skip = kBackOffWaits;
-  }
 }
 
 void Broker::settle_sleeper() {

@@ -101,7 +101,7 @@ namespace detail {
 int run_child(int read_fd, int write_fd, RouterOptions opts, const ChildMain& main, bool close_when_drained) {
   int rc = 1;
   {
-    Broker broker(Broker::Options{.wait_spin = opts.wait_spin});
+    Broker broker(Broker::options_for(opts));
     Router router(broker, opts);
     router.hold_unknown_handles(true);  // until main has registered its handlers
     try {

@@ -66,7 +66,7 @@ struct WireOptions {
   std::int64_t handshake_timeout_ms, stall_timeout_ms, wait_spin_us;
   double peer_log_rate, peer_log_burst;
   std::uint32_t max_message_size;
-  std::uint8_t unidirectional, accept_client_logs;
+  std::uint8_t unidirectional, accept_client_logs, own_thread_polls;
 };
 
 WireOptions to_wire(const RouterOptions& o) {
@@ -76,7 +76,7 @@ WireOptions to_wire(const RouterOptions& o) {
           o.handshake_timeout.count(), o.stall_timeout.count(), o.wait_spin.count(),
           o.peer_log_rate,         o.peer_log_burst,
           o.max_message_size,      o.unidirectional,
-          o.accept_client_logs};
+          o.accept_client_logs,    o.own_thread_polls};
 }
 
 RouterOptions from_wire(const WireOptions& w, std::string name) {
@@ -92,6 +92,7 @@ RouterOptions from_wire(const WireOptions& w, std::string name) {
   o.memory_limit = w.memory_limit;
   o.stall_timeout = std::chrono::milliseconds(w.stall_timeout_ms);
   o.wait_spin = std::chrono::microseconds(w.wait_spin_us);
+  o.own_thread_polls = w.own_thread_polls != 0;
   o.outbox_size = w.outbox_size;
   o.accept_client_logs = w.accept_client_logs != 0;
   o.peer_log_rate = w.peer_log_rate;

@@ -78,9 +78,10 @@ auto run_on(Broker& broker, F&& fn) -> std::invoke_result_t<F&> {
 inline pid_t gettid_now() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
 
 // Until a thread other than the own one has begun to lead `b`'s loop
-// (lead_until counts it as it takes the loop), or kGuard passes.
-inline void wait_for_a_lead(Broker& b, std::uint64_t leads_before) {
-  const auto give_up = std::chrono::steady_clock::now() + kGuard;
+// (lead_until counts it as it takes the loop), or `limit` passes.
+inline void wait_for_a_lead(Broker& b, std::uint64_t leads_before,
+                            std::chrono::milliseconds limit = kGuard) {
+  const auto give_up = std::chrono::steady_clock::now() + limit;
   while (b.stats().caller_leads == leads_before && std::chrono::steady_clock::now() < give_up)
     std::this_thread::sleep_for(1ms);
 }

@@ -41,6 +41,8 @@ TEST(RouterProgram, HelpVersionAndUsageErrors) {
   EXPECT_EQ(exit_code(run_program({SPINDLE_ROUTER_BINARY, "--handshake-timeout"}, &out, dir.path())), 2);
   EXPECT_TRUE(contains(out, "needs a value")) << out;
   EXPECT_EQ(exit_code(run_program({SPINDLE_ROUTER_BINARY, "--log-level", "loud"}, &out, dir.path())), 2);
+  EXPECT_EQ(exit_code(run_program({SPINDLE_ROUTER_BINARY, "--wait-spin", "2000000"}, &out, dir.path())), 2);
+  EXPECT_TRUE(contains(out, "--wait-spin: '2000000' is out of range (0 to 1000000)")) << out;
   EXPECT_EQ(exit_code(run_program({SPINDLE_CTL_BINARY, "frobnicate"}, &out, dir.path())), 2);
   EXPECT_TRUE(contains(out, "unknown command")) << out;
 }

@@ -144,6 +144,32 @@ TEST(WaitSpin, AThreadWhosePollsFindNothingBacksOffAndLooksAgain) {
   }).join();
 }
 
+// Options::own_thread_polls: after a turn the broker's own thread polls for
+// the next one, and takes work that arrives within the window without
+// sleeping; without it (the default) the own thread never polls.
+TEST(WaitSpin, AnOwnThreadThatPollsTakesItsNextTurnWithoutSleeping) {
+  Broker broker(Broker::Options{.wait_spin = 10s, .own_thread_polls = true});
+  const auto before = broker.stats();
+  run_on(broker, [] {});  // a turn: the own thread now polls for the next
+  const auto give_up = Clock::now() + kGuard;
+  while (broker.stats().wait_polls == before.wait_polls && Clock::now() < give_up) std::this_thread::yield();
+  ASSERT_GT(broker.stats().wait_polls, before.wait_polls) << "the own thread did not poll after its turn";
+  const auto polling = broker.stats();
+  const long slept_before = voluntary_switches(broker.native_tid());
+  std::atomic<bool> ran{false};
+  broker.defer([&ran] { ran = true; });
+  while (!ran && Clock::now() < give_up) std::this_thread::yield();
+  ASSERT_TRUE(ran.load());
+  EXPECT_EQ(voluntary_switches(broker.native_tid()), slept_before)
+      << "the own thread slept although the work came while it polled";
+  EXPECT_GT(broker.stats().wait_polls_answered, polling.wait_polls_answered);
+
+  Broker plain;
+  run_on(plain, [] {});
+  run_on(plain, [] {});
+  EXPECT_EQ(plain.stats().wait_polls, 0u) << "an own thread polled without own_thread_polls";
+}
+
 int echo_child(ChildEnv& env) {
   env.expose(method<long(long)>{"echo"}, [](long n) { return n; });
   return env.serve();

@@ -59,6 +59,10 @@ options:
                            default only this process's uid may connect
   --threads N              worker threads running service calls (2)
   --shutdown-grace DUR     how long a graceful shutdown may drain (5s)
+  --wait-spin USEC         microseconds the router's thread (and a waiting
+                           service worker) polls for the next message before
+                           it sleeps: a message within it costs no wake-up,
+                           and up to that much CPU per wait; 0 = never (50)
 
 limits (each peer is charged for what it makes the router hold):
   --high-water-mark SIZE   bytes queued towards one peer before senders are
@@ -97,6 +101,7 @@ struct Config {
 std::optional<Config> parse(int argc, char** argv) {
   Config c;
   c.router.name = "spindle-router";
+  c.router.own_thread_polls = true;  // its broker thread does the forwarding
   c.pool.name = "services";
   c.pool.threads = 2;
   c.listener.address = spindle::default_router_address();
@@ -132,6 +137,8 @@ std::optional<Config> parse(int argc, char** argv) {
                                                   spindle::services::Pool::kMaxThreads);
     } else if (o == "--shutdown-grace") {
       c.grace = spindle::tools::parse_duration(o, args.value(o));
+    } else if (o == "--wait-spin") {
+      c.router.wait_spin = std::chrono::microseconds(spindle::tools::parse_size(o, args.value(o), 0, 1000000));
     } else if (o == "--high-water-mark") {
       c.router.high_water_mark = spindle::tools::parse_size(o, args.value(o), 4096, std::size_t{1} << 40);
     } else if (o == "--peer-memory-limit") {
@@ -184,7 +191,9 @@ int run(const Config& c) {
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
   ::pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  spindle::Broker broker(spindle::Broker::Options{c.grace});
+  spindle::Broker::Options broker_opts = spindle::Broker::options_for(c.router);
+  broker_opts.shutdown_grace = c.grace;
+  spindle::Broker broker(broker_opts);
   spindle::Router router(broker, c.router);
   // Signals are taken on the broker thread (a handler there may log and shut
   // down, which a plain signal handler may not), and armed before the socket
