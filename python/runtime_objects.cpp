@@ -218,8 +218,7 @@ struct PyRuntime {
   // large as this router's children do.
   PyChild ssh(const std::string& host, SshOptions opts, std::optional<PyContext> via) {
     Runtime& r = get();
-    opts.router.max_message_size = child_router.max_message_size;
-    opts.router.wait_spin = child_router.wait_spin;
+    opts.router = child_router;
     if (via) opts.via = via->ctx;
     py::gil_scoped_release nogil;
     return PyChild{std::make_unique<Child>(r.ssh(host, std::move(opts)))};
@@ -332,9 +331,7 @@ void bind_runtime_objects(py::module_& m) {
              RouterOptions opts;
              opts.max_message_size = max_message_size;
              opts.wait_spin = std::chrono::microseconds(static_cast<std::int64_t>(wait_spin * 1e6));
-             RouterOptions children;
-             children.max_message_size = opts.max_message_size;
-             children.wait_spin = opts.wait_spin;
+             RouterOptions children = opts;  // its children get the same
              py::gil_scoped_release nogil;
              return PyRuntime{std::make_unique<Runtime>(std::move(opts)), std::move(children)};
            }),

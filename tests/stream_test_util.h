@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -84,6 +85,47 @@ inline void wait_for_a_lead(Broker& b, std::uint64_t leads_before,
   const auto give_up = std::chrono::steady_clock::now() + limit;
   while (b.stats().caller_leads == leads_before && std::chrono::steady_clock::now() < give_up)
     std::this_thread::sleep_for(1ms);
+}
+
+// voluntary_ctxt_switches of one thread of this process: each sleep (on a
+// futex, in epoll_wait) is one; a yield or a preemption is not.
+inline long voluntary_switches(pid_t tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
+  return -1;
+}
+
+// A lead_until predicate: the std::atomic<bool> it points to is set.
+inline bool flag_set(const void* p) { return static_cast<const std::atomic<bool>*>(p)->load(); }
+
+// Leads `b`'s loop until `done` or `deadline`, after making the own thread
+// step aside as it does once it has woken a caller that slept on a reply
+// (a sleeper settled on the loop). lead_until is retried while the own
+// thread is still on its way out of the loop (it steps aside just after the
+// handler that settled the sleeper), and the whole is retried if it took
+// the loop back first (a slow machine: a linger passed unused).
+// `before_lead` runs on this thread after each hand-over, before the lead.
+template <class BeforeLead>
+Broker::Lead lead_after_step_aside(Broker& b, const std::atomic<bool>& done,
+                                   std::chrono::steady_clock::time_point deadline, BeforeLead before_lead) {
+  const auto give_up = std::chrono::steady_clock::now() + kGuard;
+  while (true) {
+    b.add_sleeper();
+    run_on(b, [&] { b.settle_sleeper(); });
+    before_lead();
+    for (int i = 0; i < 1000; ++i) {
+      Broker::Lead how = b.lead_until(&flag_set, &done, deadline);
+      if (how != Broker::Lead::kBusy || std::chrono::steady_clock::now() > give_up) return how;
+      std::this_thread::yield();
+    }
+  }
+}
+
+inline Broker::Lead lead_after_step_aside(Broker& b, const std::atomic<bool>& done,
+                                          std::chrono::steady_clock::time_point deadline) {
+  return lead_after_step_aside(b, done, deadline, [] {});
 }
 
 // A round trip through the broker's queue: everything posted before has run.

@@ -11,7 +11,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <fstream>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -35,45 +34,15 @@ namespace spindle {
 namespace test_broker_lead {
 
 using namespace std::chrono_literals;
+using testutil::flag_set;
+using testutil::gettid_now;
 using testutil::join_bounded;
 using testutil::kGuard;
-using testutil::gettid_now;
+using testutil::lead_after_step_aside;
 using testutil::run_on;
+using testutil::voluntary_switches;
 using testutil::wait_for_a_lead;
 using Clock = std::chrono::steady_clock;
-
-// Makes the own thread step aside, as it does once it has woken a caller
-// that slept on a reply: it settles a sleeper on the loop.
-void make_own_thread_step_aside(Broker& b) {
-  b.add_sleeper();
-  run_on(b, [&] { b.settle_sleeper(); });
-}
-
-bool flag_set(const void* p) { return static_cast<const std::atomic<bool>*>(p)->load(); }
-
-// Makes the own thread step aside and leads: lead_until is retried while
-// the own thread is still on its way out of the loop (it steps aside just
-// after the handler that settled the sleeper), and the whole is retried if
-// it took the loop back first (a slow machine: a linger passed unused).
-Broker::Lead lead(Broker& b, const std::atomic<bool>& done, Clock::time_point deadline) {
-  auto give_up = Clock::now() + kGuard;
-  while (true) {
-    make_own_thread_step_aside(b);
-    for (int i = 0; i < 1000; ++i) {
-      Broker::Lead how = b.lead_until(&flag_set, &done, deadline);
-      if (how != Broker::Lead::kBusy || Clock::now() > give_up) return how;
-      std::this_thread::yield();
-    }
-  }
-}
-
-long voluntary_switches(pid_t tid) {
-  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
-  return -1;
-}
 
 TEST(BrokerLead, AWaitingCallerRunsTheLoopAndWorkFromOtherThreadsRunsOnIt) {
   Broker broker;
@@ -89,7 +58,7 @@ TEST(BrokerLead, AWaitingCallerRunsTheLoopAndWorkFromOtherThreadsRunsOnIt) {
       done = true;
     });
   });
-  EXPECT_EQ(lead(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
+  EXPECT_EQ(lead_after_step_aside(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
   other.join();
   EXPECT_EQ(ran_on.load(), gettid_now()) << "the deferred function ran on the leading caller";
   EXPECT_NE(ran_on.load(), broker.native_tid());
@@ -121,14 +90,14 @@ TEST(BrokerLead, TheOwnThreadTakesTheLoopBackForDefersAndSocketsWhenTheCallerLea
     return d;
   });
   std::atomic<bool> done{true};  // leads, finds nothing to wait for, and leaves
-  EXPECT_EQ(lead(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
+  EXPECT_EQ(lead_after_step_aside(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
 
   // No one nudges the own thread for a socket: it comes back by itself.
   ASSERT_EQ(::write(sv[1], "x", 1), 1);
   ASSERT_EQ(readable_fut.wait_for(kGuard), std::future_status::ready) << "a socket event was stranded";
   EXPECT_EQ(readable_fut.get(), broker.native_tid());
 
-  EXPECT_EQ(lead(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
+  EXPECT_EQ(lead_after_step_aside(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
   std::promise<pid_t> deferred;
   broker.defer([&] { deferred.set_value(gettid_now()); });
   auto fut = deferred.get_future();
@@ -151,7 +120,7 @@ TEST(BrokerLead, ALongLeadCostsTheOwnThreadNoWakeUpPerLinger) {
     std::this_thread::sleep_for(300ms);
     switches = voluntary_switches(own) - before;
   });
-  EXPECT_EQ(lead(broker, never, Clock::now() + 600ms), Broker::Lead::kTimedOut);
+  EXPECT_EQ(lead_after_step_aside(broker, never, Clock::now() + 600ms), Broker::Lead::kTimedOut);
   watcher.join();
   // One look per linger would be about 3000 in 300 ms: the own thread looks
   // twice (the window may catch those), then sleeps until the caller leaves.
@@ -167,7 +136,7 @@ TEST(BrokerLead, ACallerLeadingWhenTheLoopStopsIsToldAndTheBrokerFinishes) {
     wait_for_a_lead(broker, leads);
     broker.shutdown(0ms);
   });
-  EXPECT_EQ(lead(broker, never, Clock::now() + kGuard), Broker::Lead::kStopped);
+  EXPECT_EQ(lead_after_step_aside(broker, never, Clock::now() + kGuard), Broker::Lead::kStopped);
   stopper.join();
   join_bounded(broker);
   EXPECT_EQ(broker.state(), Broker::State::kStopped);
@@ -191,7 +160,7 @@ TEST(BrokerLead, ALeadingCallerBlocksSigpipeOnlyWhileItLeads) {
       done = true;
     });
   });
-  EXPECT_EQ(lead(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
+  EXPECT_EQ(lead_after_step_aside(broker, done, Clock::now() + kGuard), Broker::Lead::kDone);
   other.join();
   EXPECT_EQ(wrote_on.load(), gettid_now()) << "the write ran on the leading caller";
   EXPECT_EQ(write_errno.load(), EPIPE) << "a closed pipe gives EPIPE, and the process lives";

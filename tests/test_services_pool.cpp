@@ -5,7 +5,6 @@
 // CALL_SERVICE handler, lane, worker, reply.
 
 #include <atomic>
-#include <fstream>
 #include <future>
 #include <string>
 #include <vector>
@@ -17,6 +16,7 @@
 #include "services/lanes.h"
 #include "tests/process_util.h"
 #include "tests/services_test_util.h"
+#include "tests/stream_test_util.h"
 
 namespace spindle {
 namespace test_services_pool {
@@ -27,15 +27,6 @@ using services::Access;
 using services::Request;
 using services::RunMode;
 using services::Service;
-
-// voluntary_ctxt_switches of one thread: each sleep on a futex is one.
-long voluntary_switches(pid_t tid) {
-  std::ifstream in(fmt::format("/proc/self/task/{}/status", tid));
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
-  return -1;
-}
 
 long total_switches(const std::vector<pid_t>& tids) {
   long sum = 0;

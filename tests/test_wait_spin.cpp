@@ -8,7 +8,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <fstream>
 #include <string>
 #include <thread>
 
@@ -26,42 +25,10 @@ namespace test_wait_spin {
 using namespace std::chrono_literals;
 using testutil::gettid_now;
 using testutil::kGuard;
+using testutil::lead_after_step_aside;
 using testutil::run_on;
+using testutil::voluntary_switches;
 using Clock = std::chrono::steady_clock;
-
-bool flag_set(const void* p) { return static_cast<const std::atomic<bool>*>(p)->load(); }
-
-long voluntary_switches(pid_t tid) {
-  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
-  return -1;
-}
-
-// Leads until `done` or `deadline`, after making the own thread step aside
-// (as it does once it has woken a sleeping caller); retried while the own
-// thread is still on its way out of the loop. `before_lead` runs between
-// the hand-over and the lead, on this thread.
-template <class BeforeLead>
-Broker::Lead lead(Broker& b, const std::atomic<bool>& done, Clock::time_point deadline,
-                  BeforeLead before_lead) {
-  const auto give_up = Clock::now() + kGuard;
-  while (true) {
-    b.add_sleeper();
-    run_on(b, [&] { b.settle_sleeper(); });
-    before_lead();
-    for (int i = 0; i < 1000; ++i) {
-      Broker::Lead how = b.lead_until(&flag_set, &done, deadline);
-      if (how != Broker::Lead::kBusy || Clock::now() > give_up) return how;
-      std::this_thread::yield();
-    }
-  }
-}
-
-Broker::Lead lead(Broker& b, const std::atomic<bool>& done, Clock::time_point deadline) {
-  return lead(b, done, deadline, [] {});
-}
 
 // Sets `done` through the loop (defer) once the broker has begun one more
 // polling window than `polls_before`: an answer that surely comes while the
@@ -83,7 +50,7 @@ TEST(WaitSpin, AnAnswerWithinTheWindowIsTakenWithoutSleeping) {
   std::atomic<long> slept_before{-1};
   const auto before = broker.stats();
   std::thread answerer;
-  ASSERT_EQ(lead(broker, done, Clock::now() + kGuard,
+  ASSERT_EQ(lead_after_step_aside(broker, done, Clock::now() + kGuard,
                  [&] {
                    if (!answerer.joinable())
                      answerer = answer_while_polling(broker, before.wait_polls, done, gettid_now(), &slept_before);
@@ -102,7 +69,7 @@ TEST(WaitSpin, ZeroNeverPolls) {
   Broker broker(Broker::Options{.wait_spin = 0us});
   std::atomic<bool> done{false};
   std::thread setter;
-  ASSERT_EQ(lead(broker, done, Clock::now() + kGuard,
+  ASSERT_EQ(lead_after_step_aside(broker, done, Clock::now() + kGuard,
                  [&] {
                    if (!setter.joinable())
                      setter = std::thread([&] { broker.call_later(2ms, [&done] { done = true; }); });
@@ -122,17 +89,18 @@ TEST(WaitSpin, AThreadWhosePollsFindNothingBacksOffAndLooksAgain) {
     auto polls = [&] { return broker.stats().wait_polls; };
     for (int i = 0; i < 4; ++i) {
       const auto p = polls();
-      EXPECT_EQ(lead(broker, never, Clock::now() + 2ms), Broker::Lead::kTimedOut);
+      EXPECT_EQ(lead_after_step_aside(broker, never, Clock::now() + 2ms), Broker::Lead::kTimedOut);
       EXPECT_EQ(polls(), p + 1) << "miss " << i << " did not poll";
     }
     const auto p = polls();
-    for (int i = 0; i < 15; ++i) EXPECT_EQ(lead(broker, never, Clock::now() + 1ms), Broker::Lead::kTimedOut);
+    for (int i = 0; i < 15; ++i)
+      EXPECT_EQ(lead_after_step_aside(broker, never, Clock::now() + 1ms), Broker::Lead::kTimedOut);
     EXPECT_EQ(polls(), p) << "a thread whose last four windows missed still polled";
     for (int round = 0; round < 2; ++round) {  // the probe, then polling as before
       std::atomic<bool> done{false};
       const auto st = broker.stats();
       std::thread answerer;
-      EXPECT_EQ(lead(broker, done, Clock::now() + kGuard,
+      EXPECT_EQ(lead_after_step_aside(broker, done, Clock::now() + kGuard,
                      [&] {
                        if (!answerer.joinable()) answerer = answer_while_polling(broker, st.wait_polls, done);
                      }),
