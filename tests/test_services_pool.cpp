@@ -207,9 +207,12 @@ TEST(ServicesPool, DeduplicatedCallsShareOneComputation) {
   for (int i = 0; i < 5; ++i) same.push_back(services::call_async(rig.self, "dedup", "slow", Payload::copy_of("x")));
   auto other = services::call_async(rig.self, "dedup", "slow", Payload::copy_of("y"));
   // Two computations run (x and y); the four other x calls joined x's.
+  // `answered` counts a call before Service::run registers it, so the
+  // condition also waits for both handlers to have begun (computed == 2),
+  // which is after their dedup entries exist.
   ASSERT_TRUE(eventually([&] {
     auto st = rig.pool.stats();
-    return rig.host.stats().answered == 6 && st.running == 2 && st.queued == 0;
+    return rig.host.stats().answered == 6 && computed.load() == 2 && st.running == 2 && st.queued == 0;
   }));
   EXPECT_EQ(svc.dedup_pending(), 2u);
   gate.open();
