@@ -199,7 +199,7 @@ std::pair<double, double> inprocess_forward(const std::string& dir, std::uint64_
 }
 
 int usage(const char* argv0) {
-  std::fprintf(stderr, "usage: %s [--quick] [--messages M] [--json PATH]\n", argv0);
+  std::fprintf(stderr, "usage: %s [--quick] [--messages M] [--clients N[,N...]] [--json PATH]\n", argv0);
   return 2;
 }
 
@@ -331,6 +331,14 @@ int main(int argc, char** argv) {
       if (m < 1) return usage(argv[0]);
       cfg.messages = static_cast<std::uint64_t>(m);
       messages_given = true;
+    } else if (a == "--clients" && i + 1 < argc) {  // e.g. 256, or 1,16
+      cfg.clients.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string n; std::getline(list, n, ',');) {
+        const int c = std::atoi(n.c_str());
+        if (c < 1 || c > 4096) return usage(argv[0]);
+        cfg.clients.push_back(c);
+      }
     } else {
       return usage(argv[0]);
     }
