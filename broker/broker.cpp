@@ -80,6 +80,7 @@ Broker::~Broker() {
   Task* t;
   while (tasks_.pop(t)) delete t;
   life_.reset();  // before the members: what a hosted loop runs later sees us gone
+  unblock_sigpipe();
 }
 
 // The calling thread becomes the broker thread.
@@ -88,12 +89,34 @@ void Broker::bind_thread() {
   tid_.store(static_cast<pid_t>(::syscall(SYS_gettid)));
   // Writes to a closed pipe must come back as EPIPE, not kill the process.
   // Only this thread blocks SIGPIPE; streams consume any that stays pending.
+  // A hosted broker's thread is the application's: what it changes there it
+  // undoes when it goes (~Broker), unless SIGPIPE was blocked already.
+  sigset_t set, old;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  if (int err = pthread_sigmask(SIG_BLOCK, &set, &old)) {
+    log().error("broker: cannot block SIGPIPE ({}); a write to a closed pipe may kill the process",
+                errno_text(err));
+    return;
+  }
+  if (hosted() && !sigismember(&old, SIGPIPE)) sigpipe_blocked_on_ = std::this_thread::get_id();
+}
+
+// ~Broker of a hosted broker, on the thread it blocked SIGPIPE on: a SIGPIPE
+// left pending there (a write to a closed pipe) is consumed, or unblocking
+// would deliver it, and SIGPIPE is unblocked. Destroyed on another thread,
+// the mask cannot be reached (it is per thread) and stays as it is.
+void Broker::unblock_sigpipe() {
+  if (sigpipe_blocked_on_ != std::this_thread::get_id()) return;
+  sigpipe_blocked_on_ = {};
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGPIPE);
-  if (int err = pthread_sigmask(SIG_BLOCK, &set, nullptr))
-    log().error("broker: cannot block SIGPIPE ({}); a write to a closed pipe may kill the process",
-                errno_text(err));
+  struct timespec zero {};
+  while (::sigtimedwait(&set, nullptr, &zero) == SIGPIPE) {
+  }
+  if (int err = pthread_sigmask(SIG_UNBLOCK, &set, nullptr))
+    log().error("broker: cannot unblock SIGPIPE again ({})", errno_text(err));
 }
 
 void Broker::run() {

@@ -46,7 +46,8 @@
 // sleeping caller needs it, or when the loop stops. Only one thread runs the
 // loop at a time (loop_owner_), and on_broker_thread() is true on whichever
 // does: every rule for "the broker thread" holds for it. The price: a
-// socket event that arrives while the loop is free waits up to kLinger.
+// socket event that arrives while the loop is free waits up to kLinger (up
+// to kMaxLinger after a run of back-to-back leads, loop_lead.cpp).
 // A leading thread first polls the loop for up to Options::wait_spin
 // (yielding between polls) and only then sleeps in epoll_wait: an answer
 // that comes within that window costs neither side a wake-up. The own
@@ -207,6 +208,7 @@ class Broker {
 
   // --- leader/follower (see above) ---
   static constexpr std::chrono::microseconds kLinger{100};
+  static constexpr std::chrono::microseconds kMaxLinger{800};  // lingers double while callers lead
   // How long a would-be leader waits for the own thread to step aside.
   static constexpr std::chrono::microseconds kHandOverWait{50};
   enum class Lead { kDone, kBusy, kTimedOut, kStopped };
@@ -259,6 +261,7 @@ class Broker {
   Broker(Options opts, asio::io_context* hosted);
   [[noreturn]] void refuse_second_thread() const;
   void bind_thread();
+  void unblock_sigpipe();  // ~Broker, hosted: undoes what bind_thread() did to this thread
   void end_loop();
   bool enter_producer();
   bool push_task(std::function<void()> fn);
@@ -312,6 +315,9 @@ class Broker {
   // Leading caller: SIGPIPE blocked by quiet_sigpipe(), and the mask to restore.
   bool leader_quieted_ = false;
   sigset_t leader_old_mask_{};
+  // Hosted: the application's thread that bind_thread() blocked SIGPIPE on,
+  // unblocked again when the broker is destroyed there (it was not before).
+  std::thread::id sigpipe_blocked_on_{};
   // Each lead, counted: the own thread takes the loop back only after a
   // whole linger with no caller leading.
   std::atomic<std::uint32_t> leads_{0};

@@ -128,6 +128,45 @@ TEST(BrokerLead, ALongLeadCostsTheOwnThreadNoWakeUpPerLinger) {
   EXPECT_LT(switches.load(), 10) << "the own thread polled through a long lead";
 }
 
+// Calls back to back, each longer than a linger (a call over ssh takes
+// 100-200 us): every linger ends with a new lead begun, so the own thread
+// lingers again, and each linger doubles, up to kMaxLinger. At one look
+// per kLinger the own thread would wake up to 3000 times in 300 ms of
+// such leads (measured: 1,700-1,800 wake-ups); doubling brings it near
+// 300ms / kMaxLinger (measured: 345).
+// Each lead here polls (wait_spin) until its 150 us are up, as a caller
+// whose answer comes within its window does.
+bool past(const void* t) { return Clock::now() >= *static_cast<const Clock::time_point*>(t); }
+
+TEST(BrokerLead, BackToBackLeadsLengthenTheOwnThreadsLinger) {
+  Broker::Options o;
+  o.wait_spin = 1ms;
+  Broker broker(o);
+  std::atomic<bool> never{false};
+  testutil::settle(broker);
+  const pid_t own = broker.native_tid();
+  constexpr auto kLead = 150us;
+  ASSERT_EQ(lead_after_step_aside(broker, never, Clock::now() + kLead), Broker::Lead::kTimedOut);
+  const long before = voluntary_switches(own);
+  const auto end = Clock::now() + 300ms;
+  int leads = 0, taken_back = 0;
+  while (Clock::now() < end) {
+    const Clock::time_point lead_end = Clock::now() + kLead;
+    Broker::Lead how = broker.lead_until(&past, &lead_end, Clock::now() + 1s);
+    if (how == Broker::Lead::kBusy) {  // the own thread took it back (a slow machine): step aside again
+      ++taken_back;
+      how = lead_after_step_aside(broker, never, Clock::now() + kLead) == Broker::Lead::kTimedOut
+                ? Broker::Lead::kDone : Broker::Lead::kBusy;
+    }
+    ASSERT_EQ(how, Broker::Lead::kDone);
+    ++leads;
+  }
+  const long switches = voluntary_switches(own) - before;
+  constexpr long kPerLinger = 300ms / Broker::kLinger, kPerMaxLinger = 300ms / Broker::kMaxLinger;
+  EXPECT_LT(switches, 2 * kPerMaxLinger + 4 * taken_back + 20)
+      << leads << " leads, " << taken_back << " taken back; one look per kLinger would be about " << kPerLinger;
+}
+
 TEST(BrokerLead, ACallerLeadingWhenTheLoopStopsIsToldAndTheBrokerFinishes) {
   Broker broker;
   std::atomic<bool> never{false};
@@ -177,6 +216,48 @@ TEST(BrokerLead, AHostedBrokerIsNeverLedByACaller) {
   std::thread t([&] { EXPECT_EQ(broker.lead_until(&flag_set, &done, Clock::now() + 1s), Broker::Lead::kBusy); });
   t.join();
   broker.stop_here();
+}
+
+// A hosted broker blocks SIGPIPE on the application's thread that runs it
+// (a write to a closed pipe must come back as EPIPE), and unblocks it when
+// it is destroyed there, consuming a SIGPIPE left pending (else unblocking
+// would deliver it and kill the process). A thread that had SIGPIPE
+// blocked before keeps it blocked.
+bool sigpipe_blocked() {
+  sigset_t now;
+  if (pthread_sigmask(SIG_BLOCK, nullptr, &now) != 0) return false;
+  return sigismember(&now, SIGPIPE) == 1;
+}
+
+TEST(BrokerLead, AHostedBrokerGivesItsThreadBackItsSignalMask) {
+  std::thread([] {
+    ASSERT_FALSE(sigpipe_blocked());
+    {
+      asio::io_context io;
+      Broker broker(io, {});
+      EXPECT_TRUE(sigpipe_blocked()) << "the hosted loop's thread blocks SIGPIPE while it runs the broker";
+      int p[2];
+      ASSERT_EQ(::pipe2(p, O_CLOEXEC), 0);
+      ::close(p[0]);
+      EXPECT_EQ(::write(p[1], "x", 1), -1);  // EPIPE, and a SIGPIPE left pending on this thread
+      EXPECT_EQ(errno, EPIPE);
+      ::close(p[1]);
+      broker.stop_here();
+    }
+    EXPECT_FALSE(sigpipe_blocked()) << "the thread's mask was not restored";
+  }).join();
+  std::thread([] {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGPIPE);
+    ASSERT_EQ(pthread_sigmask(SIG_BLOCK, &set, nullptr), 0);
+    {
+      asio::io_context io;
+      Broker broker(io, {});
+      broker.stop_here();
+    }
+    EXPECT_TRUE(sigpipe_blocked()) << "a thread that blocked SIGPIPE itself keeps it blocked";
+  }).join();
 }
 
 // A pool worker waiting for work runs the loop too: once the own thread has
