@@ -208,7 +208,7 @@ class Broker {
 
   // --- leader/follower (see above) ---
   static constexpr std::chrono::microseconds kLinger{100};
-  static constexpr std::chrono::microseconds kMaxLinger{800};  // lingers double while callers lead
+  static constexpr std::chrono::microseconds kMaxLinger{3200};  // lingers double while callers lead
   // How long a would-be leader waits for the own thread to step aside.
   static constexpr std::chrono::microseconds kHandOverWait{50};
   enum class Lead { kDone, kBusy, kTimedOut, kStopped };

@@ -133,7 +133,7 @@ TEST(BrokerLead, ALongLeadCostsTheOwnThreadNoWakeUpPerLinger) {
 // lingers again, and each linger doubles, up to kMaxLinger. At one look
 // per kLinger the own thread would wake up to 3000 times in 300 ms of
 // such leads (measured: 1,700-1,800 wake-ups); doubling brings it near
-// 300ms / kMaxLinger (measured: 345).
+// 300ms / kMaxLinger (measured: 94).
 // Each lead here polls (wait_spin) until its 150 us are up, as a caller
 // whose answer comes within its window does.
 bool past(const void* t) { return Clock::now() >= *static_cast<const Clock::time_point*>(t); }
