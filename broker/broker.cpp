@@ -26,6 +26,7 @@
 #include "broker/errors.h"
 #include "broker/fd_registry.h"
 #include "broker/log.h"
+#include "broker/sigpipe.h"
 
 namespace spindle {
 namespace {
@@ -91,9 +92,8 @@ void Broker::bind_thread() {
   // Only this thread blocks SIGPIPE; streams consume any that stays pending.
   // A hosted broker's thread is the application's: what it changes there it
   // undoes when it goes (~Broker), unless SIGPIPE was blocked already.
-  sigset_t set, old;
-  sigemptyset(&set);
-  sigaddset(&set, SIGPIPE);
+  const sigset_t set = sigpipe::only();
+  sigset_t old;
   if (int err = pthread_sigmask(SIG_BLOCK, &set, &old)) {
     log().error("broker: cannot block SIGPIPE ({}); a write to a closed pipe may kill the process",
                 errno_text(err));
@@ -109,12 +109,8 @@ void Broker::bind_thread() {
 void Broker::unblock_sigpipe() {
   if (sigpipe_blocked_on_ != std::this_thread::get_id()) return;
   sigpipe_blocked_on_ = {};
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGPIPE);
-  struct timespec zero {};
-  while (::sigtimedwait(&set, nullptr, &zero) == SIGPIPE) {
-  }
+  sigpipe::consume_pending();
+  const sigset_t set = sigpipe::only();
   if (int err = pthread_sigmask(SIG_UNBLOCK, &set, nullptr))
     log().error("broker: cannot unblock SIGPIPE again ({})", errno_text(err));
 }

@@ -47,6 +47,7 @@
 #include "broker/errors.h"
 #include "broker/futex.h"
 #include "broker/log.h"
+#include "broker/sigpipe.h"
 
 namespace spindle {
 
@@ -218,12 +219,7 @@ Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Cloc
     // A write to a closed pipe left SIGPIPE pending on this thread: consume
     // it, or unblocking would deliver it.
     leader_quieted_ = false;
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGPIPE);
-    struct timespec zero {};
-    while (::sigtimedwait(&set, nullptr, &zero) == SIGPIPE) {
-    }
+    sigpipe::consume_pending();
     pthread_sigmask(SIG_SETMASK, &leader_old_mask_, nullptr);
   }
   release_loop();
@@ -248,9 +244,7 @@ void Broker::step_aside_soon() {
 // (stream_tx.cpp) before the mask is restored.
 void Broker::quiet_sigpipe() {
   if (leader_quieted_ || loop_owner_.load(std::memory_order_relaxed) != kLoopCaller) return;
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGPIPE);
+  const sigset_t set = sigpipe::only();
   if (int err = pthread_sigmask(SIG_BLOCK, &set, &leader_old_mask_)) {
     log().error("broker: cannot block SIGPIPE ({}); a write to a closed pipe may kill the process",
                 errno_text(err));

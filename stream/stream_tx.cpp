@@ -22,23 +22,13 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/sigpipe.h"
 #include "stream/fd_control.h"
 
 namespace spindle {
 namespace {
 
 constexpr int kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
-
-// SIGPIPE is blocked on the broker thread; a write to a closed pipe leaves one
-// pending. Consume it so it is never delivered later.
-void consume_pending_sigpipe() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGPIPE);
-  struct timespec zero {};
-  while (::sigtimedwait(&set, nullptr, &zero) == SIGPIPE) {
-  }
-}
 
 }  // namespace
 
@@ -137,7 +127,7 @@ void Stream::flush() {
         continue;
       }
       if (!g.fd_frames.empty() && send_fd_frame_failed(err)) continue;
-      if (err == EPIPE && !is_socket_) consume_pending_sigpipe();
+      if (err == EPIPE && !is_socket_) sigpipe::consume_pending();
       if (err == EPIPE || err == ECONNRESET)
         return close("peer closed the connection (" + std::string(errno_text(err)) + ")");
       return close(fmt::format("write: {}", errno_text(err)));
