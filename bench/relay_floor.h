@@ -143,8 +143,12 @@ struct RelayRun {
   double relay_cpu_ns_per_frame = 0;  // the relay thread's CPU time (user + sys)
 };
 
+// Frames a writer sends to one pair before it turns to the next: the
+// floor's batch, and the turn of bench_router's senders in the same rows.
+inline constexpr std::uint64_t kFramesPerTurn = 64;
+
 inline RelayRun relay_throughput(int pairs, std::uint64_t per_pair, std::size_t body, int threads,
-                                 std::uint64_t batch = 64) {
+                                 std::uint64_t batch = kFramesPerTurn) {
   using Clock = std::chrono::steady_clock;
   const std::size_t frame = kHeaderSize + body;
   std::vector<std::array<int, 2>> in, out;

@@ -8,11 +8,13 @@
 //               relay thread to an echo thread and back.
 //   throughput  N = 1, 16, 256 pairs of clients (2N connections); each sender
 //               sends 64 B messages (Router::send) to its partner, from up to
-//               4 threads; each receiver checks sender, sequence and size.
-//               Timed from the first send to the last receipt. Floor: N
-//               writers -> relay thread -> N readers, 64 frames per write.
-//               Also the relay with one frame per write, in the senders'
-//               order (no batching: what the interleaved pattern costs raw).
+//               4 threads that take their senders in turn, 64 messages per
+//               turn; each receiver checks sender, sequence and size. Timed
+//               from the first send to the last receipt. Floor: N writers ->
+//               relay thread -> N readers, taken the same way, 64 frames (one
+//               turn) per write. Also both with one message per turn (the
+//               relay then writes one frame per write: what an interleaved
+//               pattern costs raw).
 //               The router's peak RSS (VmHWM, reset before each N) beside it.
 //   forward     allocations per forwarded message on the broker thread of an
 //               in-process router (Router + Listener, as spindle-router runs
@@ -188,9 +190,9 @@ std::pair<double, double> inprocess_forward(const std::string& dir, std::uint64_
   double allocs = 0, rate = 0;
   {
     bench::Pairs pairs(lo.address, 1);
-    pairs.run(std::max<std::uint64_t>(messages / 4, 1));  // warm-up: queues and pools grow
+    pairs.run(std::max<std::uint64_t>(messages / 4, 1), bench::kFramesPerTurn);  // warm-up: queues and pools grow
     const std::uint64_t a0 = router_thread_allocations();
-    const double secs = pairs.run(messages);
+    const double secs = pairs.run(messages, bench::kFramesPerTurn);
     allocs = static_cast<double>(router_thread_allocations() - a0) / static_cast<double>(messages);
     rate = static_cast<double>(messages) / secs;
   }
@@ -234,15 +236,16 @@ int run(const Config& cfg, bench::Report& report) {
   for (int n : cfg.clients) {
     const std::uint64_t per_pair = std::max<std::uint64_t>(cfg.messages / static_cast<std::uint64_t>(n), 1);
     const bool peak_reset = reset_peak_rss(proc.pid());
-    double secs = 0;
+    double secs = 0, secs_one = 0;
     std::uint64_t router_cpu = 0, client_cpu = 0;
     {
       bench::Pairs pairs(address, n);
-      pairs.run(std::max<std::uint64_t>(per_pair / 10, 1));  // warm-up
+      pairs.run(std::max<std::uint64_t>(per_pair / 10, 1), bench::kFramesPerTurn);  // warm-up
       const std::uint64_t r0 = process_cpu_ns(proc.pid()), c0 = process_cpu_ns(0);
-      secs = pairs.run(per_pair);
+      secs = pairs.run(per_pair, bench::kFramesPerTurn);
       router_cpu = process_cpu_ns(proc.pid()) - r0;
       client_cpu = process_cpu_ns(0) - c0;
+      secs_one = pairs.run(per_pair, 1);
     }
     const double peak_mib = status_kib(proc.pid(), "VmHWM") / 1024.0;
     const double msgs = static_cast<double>(per_pair) * n;
@@ -251,16 +254,21 @@ int run(const Config& cfg, bench::Report& report) {
     const bench::RelayRun floor = bench::relay_throughput(n, per_pair, kSize, threads);
     const bench::RelayRun unbatched = bench::relay_throughput(n, per_pair, kSize, threads, 1);
     floors.emplace_back(n, floor.frames_per_s);
-    std::printf("throughput, %d pair(s) x %llu messages: routed %.0f msgs/s, raw relay %.0f msgs/s "
-                "(%.0f with one frame per write); CPU per message: router %.0f ns (relay thread "
-                "%.0f ns), clients %.0f ns; router peak RSS %.1f MiB%s\n",
-                n, static_cast<unsigned long long>(per_pair), rate, floor.frames_per_s,
-                unbatched.frames_per_s, router_cpu / msgs, floor.relay_cpu_ns_per_frame,
+    const double rate_one = msgs / secs_one;
+    std::printf("throughput, %d pair(s) x %llu messages, %llu per turn: routed %.0f msgs/s, raw relay "
+                "%.0f msgs/s; one per turn: routed %.0f, relay %.0f (one frame per write); CPU per "
+                "message: router %.0f ns (relay thread %.0f ns), clients %.0f ns; router peak RSS "
+                "%.1f MiB%s\n",
+                n, static_cast<unsigned long long>(per_pair),
+                static_cast<unsigned long long>(bench::kFramesPerTurn), rate, floor.frames_per_s,
+                rate_one, unbatched.frames_per_s, router_cpu / msgs, floor.relay_cpu_ns_per_frame,
                 client_cpu / msgs, peak_mib, peak_reset ? "" : " (peak since start: clear_refs refused)");
     const std::string suffix = fmt::format("{}_clients", n);
     report.add("routed_throughput_" + suffix, rate, "msgs/s", floor.frames_per_s);
     report.add("relay_unbatched_throughput_" + suffix, unbatched.frames_per_s, "msgs/s",
                floor.frames_per_s);
+    report.add("routed_throughput_" + suffix + "_one_per_turn", rate_one, "msgs/s",
+               unbatched.frames_per_s);
     report.add("router_cpu_ns_per_msg_" + suffix, router_cpu / msgs, "ns/msg",
                floor.relay_cpu_ns_per_frame);
     report.add("client_cpu_ns_per_msg_" + suffix, client_cpu / msgs, "ns/msg");
