@@ -43,6 +43,7 @@ Broker::Broker(asio::io_context& loop, Options opts) : Broker(opts, &loop) {}
 
 Broker::Broker(Options opts, asio::io_context* hosted)
     : opts_(opts),
+      free_fds_before_(hosted ? std::vector<int>{} : fd_registry::lowest_free_fds(kAsioFdProbes)),
       own_io_(hosted ? nullptr : std::make_unique<asio::io_context>(1)),
       io_(hosted ? *hosted : *own_io_),
       waker_(io_) {
@@ -50,12 +51,10 @@ Broker::Broker(Options opts, asio::io_context* hosted)
   if (wake_fd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
   fd_registry::note(wake_fd_);
   // A hosted loop's own fds are the application's: a forked child keeps them.
-  if (!hosted)
-    for (int fd : fd_registry::anon_inode_fds())
-      if (fd != wake_fd_ && !std::binary_search(anon_fds_before_.begin(), anon_fds_before_.end(), fd))
-        asio_fds_.push_back(fd);
+  for (int fd : fd_registry::anon_inode_fds_among(free_fds_before_))
+    if (fd != wake_fd_) asio_fds_.push_back(fd);
   for (int fd : asio_fds_) fd_registry::note(fd);
-  anon_fds_before_ = {};
+  free_fds_before_ = {};
   waker_.assign(wake_fd_);
   arm_waker();
   if (hosted) {

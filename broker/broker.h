@@ -289,9 +289,10 @@ class Broker {
   void finish();
 
   Options opts_;
-  // Taken before io_ exists: the anonymous-inode fds Asio then makes (its
-  // epoll, eventfd, timerfd) are noted in fd_registry for forked children.
-  std::vector<int> anon_fds_before_ = fd_registry::anon_inode_fds();
+  // Taken before io_ exists (empty when hosted): the lowest free fd
+  // numbers, where Asio's epoll, eventfd and timerfd then land; those are
+  // noted in fd_registry for forked children (fd_registry.h).
+  std::vector<int> free_fds_before_;
   std::vector<int> asio_fds_;
   std::unique_ptr<asio::io_context> own_io_;  // null when hosted
   asio::io_context& io_;
@@ -305,6 +306,9 @@ class Broker {
   // Who runs the loop (leader/follower). The own thread holds it from the
   // start; it parks on park_seq_, which a nudge bumps.
   static constexpr std::uint32_t kLoopFree = 0, kLoopDedicated = 1, kLoopCaller = 2;
+  // Free fd numbers probed for the fds Asio makes (its 3 and our eventfd,
+  // with room for a thread opening fds meanwhile).
+  static constexpr int kAsioFdProbes = 8;
   std::atomic<std::uint32_t> loop_owner_{kLoopDedicated};
   std::atomic<std::uint32_t> park_seq_{0};
   std::atomic<int> sleepers_{0};

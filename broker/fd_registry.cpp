@@ -5,7 +5,8 @@
 // device.
 #include "broker/fd_registry.h"
 
-#include <dirent.h>
+#include <fcntl.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -74,24 +75,32 @@ bool is_noted(int fd) {
          dev == g_slots[fd].dev.load(std::memory_order_relaxed);
 }
 
-std::vector<int> anon_inode_fds() {
+std::vector<int> lowest_free_fds(int n) {
   std::vector<int> out;
-  DIR* d = ::opendir("/proc/self/fd");
-  if (!d) return out;  // no /proc: Asio's fds stay in children (fork_child documents it)
-  const int own = ::dirfd(d);
-  while (struct dirent* e = ::readdir(d)) {
-    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-    int fd = std::atoi(e->d_name);
-    if (fd == own) continue;
+  // The first probe takes the lowest free number; each dup of it the next.
+  const int first = ::eventfd(0, EFD_CLOEXEC);
+  if (first < 0) return out;  // out of fds: nothing to find
+  out.push_back(first);
+  while (static_cast<int>(out.size()) < n) {
+    const int fd = ::fcntl(first, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) break;
+    out.push_back(fd);
+  }
+  for (int fd : out) ::close(fd);  // a failure leaves nothing to do
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<int> anon_inode_fds_among(const std::vector<int>& numbers) {
+  std::vector<int> out;
+  for (int fd : numbers) {
     char target[64];
-    std::string path = std::string("/proc/self/fd/") + e->d_name;
-    ssize_t n = ::readlink(path.c_str(), target, sizeof target - 1);
-    if (n <= 0) continue;
+    const std::string path = "/proc/self/fd/" + std::to_string(fd);
+    const ssize_t n = ::readlink(path.c_str(), target, sizeof target - 1);
+    if (n <= 0) continue;  // closed, or no /proc: not noted (see the header)
     target[n] = '\0';
     if (std::strncmp(target, "anon_inode:", 11) == 0) out.push_back(fd);
   }
-  ::closedir(d);
-  std::sort(out.begin(), out.end());
   return out;
 }
 

@@ -40,10 +40,22 @@ void note_owned(int fd);
 void forget(int fd);
 // Whether `fd` is noted and still has the identity it was noted with.
 bool is_noted(int fd);
-// The open fds whose target is an anonymous inode ("anon_inode:[eventfd]"
-// and the like), ascending: a Broker compares the lists before and after
-// Asio made its epoll, eventfd and timerfd, which it cannot see otherwise.
-std::vector<int> anon_inode_fds();
+// How a Broker finds the epoll, eventfd and timerfd Asio makes, which it
+// cannot see otherwise: the kernel gives a new fd the lowest free number, so
+// it takes the lowest free numbers before Asio makes them, and afterwards
+// looks at those numbers only. Each costs O(1) syscalls whatever the
+// process holds (a scan of /proc/self/fd cost two readlinks per open fd per
+// Broker: quadratic in a process that opens many connections). An fd that
+// another thread opened meanwhile on one of those numbers is taken for
+// Asio's if it is an anonymous inode too, as any before/after comparison
+// would take it; one Asio made beyond them is not noted (a forked child
+// keeps it open, harmlessly).
+//
+// The `n` lowest free fd numbers, ascending (fewer if the process runs out).
+std::vector<int> lowest_free_fds(int n);
+// Of `numbers`, those open now on an anonymous inode ("anon_inode:[eventfd]"
+// and the like).
+std::vector<int> anon_inode_fds_among(const std::vector<int>& numbers);
 
 // In a forked child: closes every noted fd (but `keep`) that still has its
 // noted identity, then empties the table (the child's own Spindle notes its

@@ -18,6 +18,7 @@
 
 #include <spindle/spindle.h>
 
+#include "broker/broker.h"
 #include "broker/fd_registry.h"
 
 namespace test_fd_policy {
@@ -145,6 +146,41 @@ TEST(FdRegistry, ANumberReusedByTheApplicationIsNotClosed) {
   }
   ::close(again);
   spindle::fd_registry::forget(fd);
+}
+
+// A Broker finds the fds Asio makes (epoll, eventfd, timerfd) among the
+// lowest free numbers (fd_registry.h), however many fds the process holds
+// and wherever its holes are; a forked child closes what is noted.
+TEST(FdRegistry, ABrokerNotesTheFdsAsioMakesInAProcessFullOfFds) {
+  std::vector<int> held;
+  for (int i = 0; i < 2000; ++i) {
+    const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    held.push_back(fd);
+  }
+  for (std::size_t i : {100u, 700u, 1500u}) {  // holes, where the new fds land
+    ::close(held[i]);
+    held[i] = -1;
+  }
+  const FdMap before = open_fds();
+  {
+    spindle::Broker broker;
+    const FdMap after = open_fds();
+    std::map<std::string, int> kinds;
+    for (auto& [fd, id] : after) {
+      if (before.count(fd)) continue;
+      char target[64] = {};
+      const ssize_t n = ::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), target, sizeof target - 1);
+      ASSERT_GT(n, 0);
+      kinds[target] = fd;
+      EXPECT_TRUE(spindle::fd_registry::is_noted(fd)) << "fd " << fd << " (" << target << ") is not noted";
+    }
+    EXPECT_TRUE(kinds.count("anon_inode:[eventpoll]")) << "no epoll fd appeared";
+    EXPECT_TRUE(kinds.count("anon_inode:[timerfd]")) << "no timerfd appeared";
+    EXPECT_TRUE(kinds.count("anon_inode:[eventfd]")) << "no eventfd appeared";
+  }
+  for (int fd : held)
+    if (fd >= 0) ::close(fd);
 }
 
 }  // namespace test_fd_policy
