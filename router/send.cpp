@@ -115,6 +115,11 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
   PortRef port = h.dst_id == id() ? PortRef{} : port_for(h.dst_id);
   const std::size_t charge = kHeaderSize + size;
   if (port.port) {
+    // The link's peer takes no more (its welcome said so): refused here, not
+    // sent to become a protocol error that would close the link.
+    if (const std::uint32_t most = port.port->max_message_size.load(std::memory_order_acquire); size > most)
+      throw Error(fmt::format("{}: {} bytes exceeds the maximum of {} that stream {} takes (on the way to "
+                              "context {})", reason::kTooLarge, size, most, port.port->name, h.dst_id));
     OutputGauge& g = port.port->gauge;
     if (reply) {
       g.charge(charge);  // the receiver asked for it: never refused, never waited for

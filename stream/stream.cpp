@@ -518,6 +518,7 @@ bool Stream::run_handshake() {
   }
   peer_ = handshake_->peer();
   port_->peer_takes_fds.store(peer_takes_fds(), std::memory_order_release);
+  port_->max_message_size.store(max_message_size(), std::memory_order_release);
   handshake_.reset();
   handshake_timer_.cancel();
   state_ = drain_started_here_ ? StreamState::kDraining : StreamState::kOpen;

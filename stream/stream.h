@@ -196,7 +196,12 @@ class Stream : public std::enable_shared_from_this<Stream> {
   OutputGauge& gauge() { return port_->gauge; }
   const std::shared_ptr<StreamPort>& port() const { return port_; }
   const std::shared_ptr<Account>& account() const { return account_; }
-  std::uint32_t max_message_size() const { return opts_.max_message_size; }
+  // The largest body this stream carries either way: this side's maximum,
+  // or the peer's if it announced a lower one (PeerInfo::max_message_size).
+  std::uint32_t max_message_size() const {
+    const std::uint32_t peer = peer_.max_message_size;
+    return peer != 0 && peer < opts_.max_message_size ? peer : opts_.max_message_size;
+  }
   // Whether fds can travel to the peer: a socket, and the peer announced
   // kFlagFdPassing (a stream without a handshake assumes it on a socket).
   bool peer_takes_fds() const;

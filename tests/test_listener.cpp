@@ -49,6 +49,43 @@ TEST(Listener, SpindleClientsGetIdsAndCallEachOtherById) {
   EXPECT_EQ(r.router().client_count(), 2u);
 }
 
+// What `fn` threw as E ("" and a test failure if it threw nothing).
+template <class E, class F>
+std::string what_thrown(F&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "nothing was thrown";
+  return {};
+}
+
+// The router's welcome says how large a body it takes; a client with a
+// larger maximum of its own refuses a larger send itself, with the reason,
+// and keeps its link. (Sent, the frame would be a protocol error at the
+// router, which closes the link and fails everything else on it.)
+TEST(Listener, AClientRefusesABodyLargerThanTheRouterTakesAndKeepsItsLink) {
+  constexpr std::uint32_t kRouterMax = 64 * 1024;
+  RouterOptions ro = root_opts("router");
+  ro.max_message_size = kRouterMax;
+  InProcessRouter r({}, ro);
+  auto a = r.client(serve_echo);
+  auto b = r.client();  // its own maximum: the default, far larger
+  const std::string big(kRouterMax + 1, 'x');
+  std::string what = what_thrown<Error>([&] { b->context(a->id()).call(kEcho, big, 10s); });
+  EXPECT_TRUE(what.starts_with(reason::kTooLarge)) << what;
+  EXPECT_TRUE(what.find(std::to_string(kRouterMax)) != std::string::npos) << what;
+  what = what_thrown<Error>([&] { b->router().send(a->id(), kEcho, std::span<const std::uint8_t>(
+                                       reinterpret_cast<const std::uint8_t*>(big.data()), big.size())); });
+  EXPECT_TRUE(what.starts_with(reason::kTooLarge)) << what;
+  // The link is whole: the next call goes through, and so does one at the limit.
+  EXPECT_EQ(b->context(a->id()).call(kEcho, "still here", 10s), "echo:still here");
+  const std::string at_limit(kRouterMax - 5, 'y');  // "echo:" makes the reply exactly the limit
+  EXPECT_EQ(b->context(a->id()).call(kEcho, at_limit, 10s).size(), kRouterMax);
+  EXPECT_EQ(r.router().client_count(), 2u);
+}
+
 TEST(Listener, ClientThatLeavesFailsPendingCallsAtOnceAndFiresWatchers) {
   InProcessRouter r;
   std::promise<void> arrived;
