@@ -25,6 +25,7 @@
 
 #include "broker/errors.h"
 #include "broker/fd_registry.h"
+#include "broker/fork_park.h"
 #include "broker/log.h"
 #include "broker/sigpipe.h"
 
@@ -61,10 +62,12 @@ Broker::Broker(Options opts, asio::io_context* hosted)
     bind_thread();
   } else {
     thread_ = std::thread([this] { run(); });
+    fork_park::add(this);  // parked while any runtime of this process forks
   }
 }
 
 Broker::~Broker() {
+  fork_park::remove(this);
   // Anonymous inodes all look alike: forget them before they close, or a
   // child forked later would close the application's eventfd that took
   // one of their numbers.

@@ -29,6 +29,7 @@
 
 #include "broker/errors.h"
 #include "broker/fd_registry.h"
+#include "broker/fork_park.h"
 #include "broker/log.h"
 #include "router/child_internal.h"
 #include "router/log_forward.h"
@@ -38,44 +39,27 @@ extern char** environ;
 namespace spindle {
 namespace {
 
+// How long a fork waits for the other brokers of the process to park.
+constexpr std::chrono::milliseconds kOtherBrokersParkWithin{200};
+
 [[noreturn]] void throw_errno(const char* what) {
   throw std::system_error(errno, std::generic_category(), what);
 }
 
-// fork() with the broker thread parked on a gate, so it holds no lock at the
-// moment of the fork: not malloc's, not a sanitizer allocator's (GCC 12's ASan
-// does not reset its allocator locks in the child: a child hung creating its
-// broker thread), not spdlog's, not ours. The thread calling this is the one
-// that forks, so it holds none either. Spindle's own other threads are held
-// by pthread_atfork handlers: the log writer (broker/log_sink.h) and the
-// service pools (services/fork.h). Other application threads are the
-// application's to quiesce.
+// fork() with every broker's loop parked on a gate (broker/fork_park.h), so
+// that none holds a lock at the moment of the fork: not malloc's, not a
+// sanitizer allocator's (GCC 12's ASan does not reset its allocator locks in
+// the child: a child hung creating its broker thread), not spdlog's, not
+// ours. The thread calling this is the one that forks, so it holds none
+// either. Spindle's own other threads are held by pthread_atfork handlers:
+// the log writer (broker/log_sink.h) and the service pools
+// (services/fork.h). Other application threads are the application's to
+// quiesce.
 pid_t fork_quiesced(Broker& broker) {
-  if (broker.on_broker_thread()) return ::fork();
-  struct Gate {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool parked = false;
-    bool released = false;
-  };
-  auto gate = std::make_shared<Gate>();
-  broker.defer([gate] {
-    std::unique_lock lk(gate->mu);
-    gate->parked = true;
-    gate->cv.notify_all();
-    gate->cv.wait(lk, [&] { return gate->released; });
-  });
-  {
-    std::unique_lock lk(gate->mu);
-    gate->cv.wait(lk, [&] { return gate->parked; });
-  }
+  fork_park::Parked parked = fork_park::park_all(broker, kOtherBrokersParkWithin);
   pid_t pid = ::fork();
-  if (pid != 0) {  // parent (or failure): let the broker go on
-    std::lock_guard lk(gate->mu);
-    gate->released = true;
-    gate->cv.notify_all();
-  }
-  return pid;
+  if (pid == 0) parked.abandon();  // the child: nothing waits on the gates here
+  return pid;  // the parent: `parked` lets the brokers go on
 }
 
 // In the child, glibc hands a new thread the cached stack of a parent thread
