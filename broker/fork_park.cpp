@@ -39,12 +39,13 @@ std::vector<Broker*>& registry() {
 void install_child_reset() {
   static std::once_flag once;
   std::call_once(once, [] {
-    // Held across the fork, so the child's copy is consistent; the child
-    // has none of the parent's broker threads, so it starts empty.
+    // Held across the fork by the forking thread, which is the one that
+    // goes on in the child and unlocks it there; the child has none of the
+    // parent's broker threads, so its registry starts empty.
     ::pthread_atfork([] { registry_mu().lock(); }, [] { registry_mu().unlock(); },
                      [] {
-                       new (&registry_mu()) std::mutex;
                        registry().clear();
+                       registry_mu().unlock();
                      });
   });
 }
