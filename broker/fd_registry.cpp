@@ -10,7 +10,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -87,8 +86,7 @@ std::vector<int> lowest_free_fds(int n) {
     out.push_back(fd);
   }
   for (int fd : out) ::close(fd);  // a failure leaves nothing to do
-  std::sort(out.begin(), out.end());
-  return out;
+  return out;  // ascending: each number was the lowest free one then
 }
 
 std::vector<int> anon_inode_fds_among(const std::vector<int>& numbers) {

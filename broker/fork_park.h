@@ -45,7 +45,8 @@ class Parked {
   Parked() = default;
   explicit Parked(std::vector<std::shared_ptr<Gate>> gates) : gates_(std::move(gates)) {}
   Parked(Parked&&) = default;
-  Parked& operator=(Parked&&) = default;
+  // Assigning over held gates would drop them unreleased: not allowed.
+  Parked& operator=(Parked&&) = delete;
   ~Parked();
   std::size_t count() const { return gates_.size(); }
   // In the child: lets go of the gates without touching them.

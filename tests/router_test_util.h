@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <typeinfo>
 #include <vector>
 #include <cstdint>
 #include <string>
@@ -24,6 +25,22 @@ namespace spindle::testutil {
 
 inline bool contains(const std::string& hay, std::string_view needle) {
   return hay.find(needle) != std::string::npos;
+}
+
+// Runs `fn`, expecting it to throw E; returns what().
+template <typename E, typename F>
+inline std::string expect_throw(F&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected " << typeid(E).name() << ", got " << typeid(e).name() << ": "
+                  << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected an exception, none was thrown";
+  return {};
 }
 
 inline ChildOptions named(std::string name) {

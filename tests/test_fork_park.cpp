@@ -34,14 +34,19 @@ class BusyLoop {
       std::vector<int> v(64 + runs_ % 512);  // allocates, in several size classes
       v.back() = 1;
       runs_.fetch_add(1);
-      if (!stop_.load()) b_.try_post(task_);
+      if (!stop_.load() && b_.try_post(task_)) return;  // the next one carries on
+      chain_ended_.store(true);  // the last touch of this object by the loop
     };
     b_.defer(task_);
   }
   ~BusyLoop() { stop(); }
+  // Ends the chain and waits until its last task has returned.
   void stop() {
     stop_.store(true);
-    std::this_thread::sleep_for(5ms);  // the last task returns
+    const auto end = std::chrono::steady_clock::now() + 10s;
+    while (!chain_ended_.load() && std::chrono::steady_clock::now() < end)
+      std::this_thread::sleep_for(1ms);
+    ASSERT_TRUE(chain_ended_.load()) << "the busy loop's last task never returned";
   }
   std::uint64_t runs() const { return runs_.load(); }
   bool runs_past(std::uint64_t n, std::chrono::milliseconds within) const {
@@ -54,6 +59,7 @@ class BusyLoop {
   Broker& b_;
   std::function<void()> task_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> chain_ended_{false};
   std::atomic<std::uint64_t> runs_{0};
 };
 

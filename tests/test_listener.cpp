@@ -49,18 +49,6 @@ TEST(Listener, SpindleClientsGetIdsAndCallEachOtherById) {
   EXPECT_EQ(r.router().client_count(), 2u);
 }
 
-// What `fn` threw as E ("" and a test failure if it threw nothing).
-template <class E, class F>
-std::string what_thrown(F&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "nothing was thrown";
-  return {};
-}
-
 // The router's welcome says how large a body it takes; a client with a
 // larger maximum of its own refuses a larger send itself, with the reason,
 // and keeps its link. (Sent, the frame would be a protocol error at the
@@ -73,10 +61,10 @@ TEST(Listener, AClientRefusesABodyLargerThanTheRouterTakesAndKeepsItsLink) {
   auto a = r.client(serve_echo);
   auto b = r.client();  // its own maximum: the default, far larger
   const std::string big(kRouterMax + 1, 'x');
-  std::string what = what_thrown<Error>([&] { b->context(a->id()).call(kEcho, big, 10s); });
+  std::string what = expect_throw<Error>([&] { b->context(a->id()).call(kEcho, big, 10s); });
   EXPECT_TRUE(what.starts_with(reason::kTooLarge)) << what;
   EXPECT_TRUE(what.find(std::to_string(kRouterMax)) != std::string::npos) << what;
-  what = what_thrown<Error>([&] { b->router().send(a->id(), kEcho, std::span<const std::uint8_t>(
+  what = expect_throw<Error>([&] { b->router().send(a->id(), kEcho, std::span<const std::uint8_t>(
                                        reinterpret_cast<const std::uint8_t*>(big.data()), big.size())); });
   EXPECT_TRUE(what.starts_with(reason::kTooLarge)) << what;
   // The link is whole: the next call goes through, and so does one at the limit.

@@ -56,22 +56,6 @@ void add_echo(Router& r, std::uint32_t handle = kEcho) {
   r.add_handler([&r](Message&& m) { r.reply(m, m.data); }, {}, handle);
 }
 
-// Runs `fn`, expecting it to throw E; returns what().
-template <typename E, typename F>
-std::string expect_throw(F&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected " << typeid(E).name() << ", got " << typeid(e).name() << ": "
-                  << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "expected an exception, none was thrown";
-  return {};
-}
-
 // ------------------------------------------------------------ forked children
 
 int echo_child(ChildEnv& env) {
