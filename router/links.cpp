@@ -41,7 +41,8 @@ void Router::attach_parent(int read_fd, int write_fd, bool close_when_drained) {
       StreamOptions so = stream_options("parent");
       so.close_when_drained = close_when_drained;
       s = Stream::create(broker_, read_fd, write_fd, so,
-                         std::make_unique<ClientHandshake>(static_cast<std::uint32_t>(::getpid())),
+                         std::make_unique<ClientHandshake>(static_cast<std::uint32_t>(::getpid()), kFlagNone,
+                                                           opts_.max_message_size),
                          this);
     } catch (const std::exception& e) {  // an unusable fd: say so, don't hang the caller
       parent_ready_set_ = true;

@@ -20,11 +20,12 @@ void append(std::vector<std::uint8_t>& out, const std::vector<std::uint8_t>& byt
 }  // namespace
 
 std::vector<std::uint8_t> encode_hello(std::uint16_t version, std::uint16_t flags,
-                                       std::uint32_t pid) {
+                                       std::uint32_t pid, std::uint32_t max_message_size) {
   std::vector<std::uint8_t> v(kMagicHello, kMagicHello + 4);
   be::append16(v, version);
   be::append16(v, flags);
   be::append32(v, pid);
+  if (flags & kFlagMaxMessageSize) be::append32(v, max_message_size);
   return v;
 }
 
@@ -50,7 +51,9 @@ std::vector<std::uint8_t> encode_refusal(const std::string& reason) {
 }
 
 std::vector<std::uint8_t> ClientHandshake::greeting() {
-  return encode_hello(kProtocolVersion, flags_ | offered_flags_, pid_);
+  std::uint16_t flags = flags_ | offered_flags_;
+  if (max_message_size_ != 0) flags |= kFlagMaxMessageSize;
+  return encode_hello(kProtocolVersion, flags, pid_, max_message_size_);
 }
 
 HandshakeResult ClientHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>&) {
@@ -112,18 +115,38 @@ HandshakeResult ServerHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>
     append(reply, encode_refusal(r.error));
     return r;
   }
-  rx.drop(kHelloSize);
-  r.consumed = kHelloSize;
   peer_.version = be::get16(h + 4);
   peer_.flags = be::get16(h + 6);
   peer_.pid = be::get32(h + 8);
   if (peer_.version != kProtocolVersion) {
+    rx.drop(kHelloSize);
+    r.consumed = kHelloSize;
     r.status = HandshakeStatus::kInvalid;
     r.error = fmt::format("unsupported protocol version {} (server speaks {})", peer_.version,
                           kProtocolVersion);
     append(reply, encode_refusal(r.error));
     return r;
   }
+  peer_.max_message_size = max_message_size_;
+  std::size_t size = kHelloSize;
+  if (peer_.flags & kFlagMaxMessageSize) {
+    size += kHelloLimitSize;
+    if (rx.readable() < size) return r;
+    std::uint8_t limit[kHelloSize + kHelloLimitSize];
+    rx.peek(limit, size);
+    const std::uint32_t announced = be::get32(limit + kHelloSize);
+    if (announced == 0) {
+      rx.drop(size);
+      r.consumed = size;
+      r.status = HandshakeStatus::kInvalid;
+      r.error = "the hello announces a maximum message size of 0 bytes";
+      append(reply, encode_refusal(r.error));
+      return r;
+    }
+    peer_.max_message_size = announced;  // the stream sends at most the lower of the two
+  }
+  rx.drop(size);
+  r.consumed = size;
   Assignment a = assign_(peer_);
   if (auto* reason = std::get_if<std::string>(&a)) {
     r.status = HandshakeStatus::kInvalid;
@@ -133,7 +156,6 @@ HandshakeResult ServerHandshake::consume(RxBuffer& rx, std::vector<std::uint8_t>
   }
   peer_.remote_id = std::get<std::uint32_t>(a);
   peer_.local_id = own_id_;
-  peer_.max_message_size = max_message_size_;
   append(reply, encode_welcome(offered_flags_, peer_.remote_id, own_id_, own_pid_, max_message_size_));
   r.status = HandshakeStatus::kComplete;
   return r;

@@ -1,12 +1,13 @@
 // Handshake: the small protocol a connection speaks before it carries frames.
 //
-// The connecting side (a child, or a client of spindle-router) sends a 12-byte
-// hello; the accepting side answers with a 24-byte welcome that assigns the
+// The connecting side (a child, or a client of spindle-router) sends a 16-byte
+// hello (12 without kFlagMaxMessageSize, as older clients send it); the accepting side answers with a 24-byte welcome that assigns the
 // client its context id, or with a refusal that says why. Bytes that follow the
 // handshake stay in the stream's RxBuffer and become the message protocol's
 // first input: the live connection is handed over without losing a byte.
 //
-//   hello   (client -> server, 12 bytes): "SPDL" version:u16 flags:u16 pid:u32
+//   hello   (client -> server, 16 bytes): "SPDL" version:u16 flags:u16 pid:u32
+//            [max_message_size:u32, present when flags has kFlagMaxMessageSize]
 //   welcome (server -> client, 24 bytes): "SPDL" version:u16 flags:u16
 //            your_id:u32 server_id:u32 server_pid:u32 max_message_size:u32
 //   refusal (server -> client): "SPNO" length:u16 reason:bytes[length]
@@ -30,7 +31,8 @@
 namespace spindle {
 
 inline constexpr std::uint16_t kProtocolVersion = 1;
-inline constexpr std::size_t kHelloSize = 12;
+inline constexpr std::size_t kHelloSize = 12;  // without the optional limit
+inline constexpr std::size_t kHelloLimitSize = 4;
 inline constexpr std::size_t kWelcomeSize = 24;
 inline constexpr std::size_t kMaxRefusalReason = 1024;
 
@@ -41,6 +43,12 @@ enum HandshakeFlag : std::uint16_t {
   // SF frames (fd_frame.h); offered with kFlagFdPassing. Used only when both
   // sides announce it: an older peer ignores the bit.
   kFlagFdBatches = 2,
+  // Hello only: the client's maximum payload length follows the pid, so the
+  // server sends it nothing larger (a router answers a larger message for it
+  // with a dead reply, instead of forwarding what would cost the client its
+  // link). A server that predates the bit would read the 4 bytes as a frame:
+  // every Spindle server of protocol version 1 since 2026-11-27 knows it.
+  kFlagMaxMessageSize = 4,
 };
 
 // Which protocol the peer speaks. A Mitogen peer exchanges 26-byte frames
@@ -55,7 +63,9 @@ struct PeerInfo {
   std::uint32_t pid = 0;               // the peer's pid
   std::uint32_t local_id = 0;          // our context id (assigned by the server)
   std::uint32_t remote_id = 0;         // the peer's context id
-  std::uint32_t max_message_size = 0;  // the server's limit (client side only)
+  // The peer's limit: the server's (welcome), or the client's when its hello
+  // announced one; otherwise the server's own.
+  std::uint32_t max_message_size = 0;
 };
 
 enum class HandshakeStatus { kComplete, kNeedMore, kInvalid };
@@ -87,14 +97,17 @@ class Handshake {
 // The connecting side.
 class ClientHandshake final : public Handshake {
  public:
-  explicit ClientHandshake(std::uint32_t pid, std::uint16_t flags = kFlagNone)
-      : pid_(pid), flags_(flags) {}
+  // A nonzero max_message_size is announced in the hello (kFlagMaxMessageSize).
+  explicit ClientHandshake(std::uint32_t pid, std::uint16_t flags = kFlagNone,
+                           std::uint32_t max_message_size = 0)
+      : pid_(pid), flags_(flags), max_message_size_(max_message_size) {}
   std::vector<std::uint8_t> greeting() override;
   HandshakeResult consume(RxBuffer& rx, std::vector<std::uint8_t>& reply) override;
 
  private:
   std::uint32_t pid_;
   std::uint16_t flags_;
+  std::uint32_t max_message_size_;
 };
 
 // The accepting side. `assign` sees the client's hello and returns the id to
@@ -119,8 +132,9 @@ class ServerHandshake final : public Handshake {
 };
 
 // Encoders, shared with tests and independent clients.
+// The limit is appended when flags has kFlagMaxMessageSize.
 std::vector<std::uint8_t> encode_hello(std::uint16_t version, std::uint16_t flags,
-                                       std::uint32_t pid);
+                                       std::uint32_t pid, std::uint32_t max_message_size = 0);
 std::vector<std::uint8_t> encode_welcome(std::uint16_t flags, std::uint32_t your_id,
                                          std::uint32_t server_id, std::uint32_t server_pid,
                                          std::uint32_t max_message_size);

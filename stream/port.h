@@ -156,8 +156,8 @@ class StreamPort {
   // be written inline again.
   std::atomic<bool> peer_takes_fds{true};
   // The largest body this stream may carry: the lower of this side's
-  // maximum and the one the peer announced in its welcome (a server's;
-  // a client announces none). A sender refuses a larger body itself with a
+  // maximum and the one the peer announced (a server's in its welcome, a
+  // client's in its hello). A sender refuses a larger body itself with a
   // clear error: sent, it would be a protocol error that closes the link
   // and fails everything else on it.
   std::atomic<std::uint32_t> max_message_size{UINT32_MAX};

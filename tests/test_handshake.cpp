@@ -76,16 +76,72 @@ struct ServerFixture {
 
 
 TEST(HandshakeTest, ClientGreetingIsExactHello) {
-  ClientHandshake client(0x01020304, 0x0506);
+  ClientHandshake client(0x01020304, 0x0503);
   Bytes g = client.greeting();
-  const Bytes expected = {'S', 'P', 'D', 'L', 0x00, 0x01, 0x05, 0x06, 0x01, 0x02, 0x03, 0x04};
+  const Bytes expected = {'S', 'P', 'D', 'L', 0x00, 0x01, 0x05, 0x03, 0x01, 0x02, 0x03, 0x04};
   EXPECT_EQ(g, expected);
   EXPECT_EQ(g.size(), kHelloSize);
-  EXPECT_EQ(g, encode_hello(kProtocolVersion, 0x0506, 0x01020304));
+  EXPECT_EQ(g, encode_hello(kProtocolVersion, 0x0503, 0x01020304));
 
   ClientHandshake plain(77);
   EXPECT_EQ(plain.greeting(),
             (Bytes{'S', 'P', 'D', 'L', 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 77}));
+}
+
+// A client with a maximum message size announces it after its pid.
+TEST(HandshakeTest, AClientsHelloCarriesItsMaximum) {
+  ClientHandshake client(77, kFlagFdPassing, 0x00010203);
+  const Bytes g = client.greeting();
+  EXPECT_EQ(g, (Bytes{'S', 'P', 'D', 'L', 0x00, 0x01, 0x00, 0x05, 0x00, 0x00, 0x00, 77,
+                      0x00, 0x01, 0x02, 0x03}));
+  EXPECT_EQ(g.size(), kHelloSize + kHelloLimitSize);
+  EXPECT_EQ(g, encode_hello(kProtocolVersion, kFlagFdPassing | kFlagMaxMessageSize, 77, 0x00010203));
+}
+
+// The server waits for the 4 more bytes the flag promises, and keeps the
+// client's limit (the stream then sends at most the lower of the two).
+TEST(HandshakeTest, TheServerReadsTheClientsMaximumByteByByte) {
+  ServerFixture f;
+  RxBuffer rx;
+  const Bytes hello = encode_hello(kProtocolVersion, kFlagMaxMessageSize, 4242, 65536);
+  Bytes reply;
+  for (std::size_t i = 0; i < hello.size(); ++i) {
+    push(rx, std::span<const std::uint8_t>(&hello[i], 1));
+    HandshakeResult r = f.server.consume(rx, reply);
+    if (i + 1 < hello.size()) {
+      ASSERT_EQ(r.status, HandshakeStatus::kNeedMore) << "after " << i + 1 << " bytes: " << r.error;
+      EXPECT_EQ(r.consumed, 0u);
+      EXPECT_EQ(f.assign_calls, 0);
+    } else {
+      ASSERT_EQ(r.status, HandshakeStatus::kComplete) << r.error;
+      EXPECT_EQ(r.consumed, kHelloSize + kHelloLimitSize);
+    }
+  }
+  EXPECT_EQ(rx.readable(), 0u);
+  EXPECT_EQ(f.server.peer().max_message_size, 65536u);
+  ASSERT_TRUE(f.seen);
+  EXPECT_EQ(f.seen->max_message_size, 65536u);
+  EXPECT_EQ(reply, encode_welcome(kFlagNone, 42, kServerId, kServerPid, kMax));
+
+  // Without the flag the peer's limit is the server's own.
+  ServerFixture old;
+  RxBuffer orx;
+  push(orx, encode_hello(kProtocolVersion, kFlagNone, 4242));
+  Bytes oreply;
+  ASSERT_EQ(old.server.consume(orx, oreply).status, HandshakeStatus::kComplete);
+  EXPECT_EQ(old.server.peer().max_message_size, kMax);
+}
+
+TEST(HandshakeTest, AHelloThatAnnouncesAZeroMaximumIsRefused) {
+  ServerFixture f;
+  RxBuffer rx;
+  push(rx, encode_hello(kProtocolVersion, kFlagMaxMessageSize, 4242, 0));
+  Bytes reply;
+  HandshakeResult r = f.server.consume(rx, reply);
+  ASSERT_EQ(r.status, HandshakeStatus::kInvalid);
+  EXPECT_EQ(r.error, "the hello announces a maximum message size of 0 bytes");
+  EXPECT_EQ(reply, encode_refusal(r.error));
+  EXPECT_EQ(f.assign_calls, 0);
 }
 
 TEST(HandshakeTest, ServerGreetingIsEmpty) {

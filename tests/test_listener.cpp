@@ -74,6 +74,35 @@ TEST(Listener, AClientRefusesABodyLargerThanTheRouterTakesAndKeepsItsLink) {
   EXPECT_EQ(r.router().client_count(), 2u);
 }
 
+// A client announces its own maximum in its hello, so the router sends it
+// nothing larger: another client's larger call gets a dead reply that says
+// so, and a reply too large for its caller fails that call at once. Before,
+// the router forwarded both, and the small client closed its link over the
+// protocol error: any client could cut another off.
+TEST(Listener, TheRouterSendsAClientNothingLargerThanItsHelloAnnounced) {
+  constexpr std::uint32_t kSmallMax = 64 * 1024;
+  InProcessRouter r;
+  RouterOptions small;
+  small.max_message_size = kSmallMax;
+  auto a = r.client(serve_echo, small);
+  auto b = r.client(serve_echo);  // the default maximum, far larger
+  const std::string big(kSmallMax + 1, 'x');
+  std::string what = expect_throw<ChannelError>([&] { b->context(a->id()).call(kEcho, big, 10s); });
+  EXPECT_TRUE(what.starts_with(reason::kTooLarge)) << what;
+  EXPECT_TRUE(contains(what, std::to_string(kSmallMax))) << what;
+  EXPECT_TRUE(contains(what, "towards context " + std::to_string(a->id()))) << what;
+  // b's reply ("echo:" + body) outgrows a's limit although a's call fits it.
+  const std::string fits(kSmallMax - 2, 'y');
+  const auto t0 = std::chrono::steady_clock::now();
+  what = expect_throw<ChannelError>([&] { a->context(b->id()).call(kEcho, fits, 60s); });
+  EXPECT_TRUE(what.starts_with(reason::kTooLarge)) << what;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s) << "the call waited for its deadline";
+  // a kept its link: it is called and calls as before, up to its limit.
+  EXPECT_EQ(b->context(a->id()).call(kEcho, "still here", 10s), "echo:still here");
+  EXPECT_EQ(a->context(b->id()).call(kEcho, std::string(kSmallMax - 5, 'z'), 10s).size(), kSmallMax);
+  EXPECT_EQ(r.router().client_count(), 2u);
+}
+
 TEST(Listener, ClientThatLeavesFailsPendingCallsAtOnceAndFiresWatchers) {
   InProcessRouter r;
   std::promise<void> arrived;
