@@ -54,7 +54,7 @@ bool is_noted(int fd);
 // The `n` lowest free fd numbers, ascending (fewer if the process runs out).
 std::vector<int> lowest_free_fds(int n);
 // Of `numbers`, those open now on an anonymous inode ("anon_inode:[eventfd]"
-// and the like).
+// and the like), told by the anon_inodefs device (one fstat each).
 std::vector<int> anon_inode_fds_among(const std::vector<int>& numbers);
 
 // In a forked child: closes every noted fd (but `keep`) that still has its

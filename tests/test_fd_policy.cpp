@@ -5,7 +5,11 @@
 // only what it names; inherit_all keeps everything.
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -181,6 +185,29 @@ TEST(FdRegistry, ABrokerNotesTheFdsAsioMakesInAProcessFullOfFds) {
   }
   for (int fd : held)
     if (fd >= 0) ::close(fd);
+}
+
+// Only anonymous inodes are taken for Asio's: not a pipe, a file or a
+// socket that another thread opened on one of the probed numbers, and not
+// a number that is closed.
+TEST(FdRegistry, OnlyAnonymousInodesCountAsAsios) {
+  int p[2], sv[2];
+  ASSERT_EQ(::pipe2(p, O_CLOEXEC), 0);
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  const int file = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  const int ev = ::eventfd(0, EFD_CLOEXEC);
+  const int ep = ::epoll_create1(EPOLL_CLOEXEC);
+  const int tm = ::timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC);
+  ASSERT_GE(file, 0);
+  ASSERT_GE(ev, 0);
+  ASSERT_GE(ep, 0);
+  ASSERT_GE(tm, 0);
+  const int closed = ::dup(file);
+  ASSERT_GE(closed, 0);
+  ::close(closed);
+  EXPECT_EQ(spindle::fd_registry::anon_inode_fds_among({p[0], sv[0], file, ev, closed, ep, tm, p[1]}),
+            (std::vector<int>{ev, ep, tm}));
+  for (int fd : {p[0], p[1], sv[0], sv[1], file, ev, ep, tm}) ::close(fd);
 }
 
 }  // namespace test_fd_policy
