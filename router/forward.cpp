@@ -87,7 +87,7 @@ void Router::on_stream_message(Stream& s, Message&& m) {
   }
   Link* out = forward_target(*in, m.header, m.data.size() + (m.sealed_body ? m.sealed_body->size() : 0));
   if (!out || !charge_fds(*in, m)) return;
-  const std::size_t charge = kHeaderSize + m.data.size();
+  const std::size_t charge = kHeaderSize + m.data.size() + fd_charge(m.fds.size());
   if (!out->stream->gauge().try_acquire(charge) && !over_mark(*in, *out, m.header, charge)) return;
   enqueue_on(*out, std::move(m), charge);
 }

@@ -3,8 +3,9 @@
 //  1. the destination's StreamPort comes from a small per-thread cache,
 //     checked against the router's route epoch (one atomic load); only a
 //     miss (a route changed) takes ports_mu_;
-//  2. the frame's bytes are charged to the port's gauge (one CAS), waiting
-//     there only when the destination is over its high-water mark;
+//  2. the frame's bytes, and its fds (kFdCharge each), are charged to the
+//     port's gauge (one CAS), waiting there only when the destination is
+//     over its high-water mark;
 //  3. if the stream is idle the frame is written at once, on this thread
 //     (StreamPort::try_write); otherwise it is appended to the Outbox, and the
 //     broker is woken only by the producer that finds no wake-up pending.
@@ -113,7 +114,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
 
   const bool plain = !msg || (msg->fds.empty() && !msg->sealed_body && !msg->data.memfd());
   PortRef port = h.dst_id == id() ? PortRef{} : port_for(h.dst_id);
-  const std::size_t charge = kHeaderSize + size;
+  const std::size_t charge = kHeaderSize + size + (msg ? fd_charge(msg->fds.size()) : 0);
   if (port.port) {
     // The link's peer takes no more (its welcome said so): refused here, not
     // sent to become a protocol error that would close the link.
@@ -267,9 +268,10 @@ void Router::route_local_origin(OutboxRecord& rec, std::span<const std::uint8_t>
   if (out != charged_on) {
     // The route changed since the sender charged (or it found none).
     release(charged_on);
-    if (!out->stream->gauge().try_acquire(kHeaderSize + h.length))
+    const std::size_t charge = kHeaderSize + h.length + (msg ? fd_charge(msg->fds.size()) : 0);
+    if (!out->stream->gauge().try_acquire(charge))
       return send_dead(h, fmt::format("{}: context {}", reason::kQueueFull, h.dst_id));
-    rec.charged = kHeaderSize + h.length;
+    rec.charged = charge;
   }
   if (msg || out->dialect == Dialect::kMitogen || !out->stream->accepts_output()) {
     enqueue_on(*out, message(), rec.charged);

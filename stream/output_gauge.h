@@ -1,7 +1,7 @@
 // OutputGauge: the high-water mark on one stream's output queue.
 //
 // Every byte queued for a stream is charged here first and released once it
-// is written (or dropped with the stream). Policy, as documented in
+// is written (or dropped with the stream); so is every fd (kFdCharge). Policy, as documented in
 // docs/PROTOCOL.md ("Back-pressure"):
 //   - a user thread sending through the router waits while the queue is at or
 //     over the mark, up to its deadline, then gets QueueFullError;
@@ -23,6 +23,14 @@
 #include "spindle/options.h"
 
 namespace spindle {
+
+// Each fd a queued frame carries is charged as this many bytes. A queued fd
+// stays open in this process until its frame is written, and a frame with
+// one fd is some 40 bytes: by bytes alone, a sender that outruns its peer
+// would run into RLIMIT_NOFILE long before its mark. With the default 8 MiB
+// mark, about 1,000 fds wait per stream; then the sender waits, as for bytes.
+inline constexpr std::size_t kFdCharge = 8 * 1024;
+inline constexpr std::size_t fd_charge(std::size_t fds) { return fds * kFdCharge; }
 
 class OutputGauge {
  public:

@@ -233,7 +233,8 @@ void Stream::push_fd_frame(Message&& m, std::size_t charged,
   for (int fd : m.fds.raw()) f.wire_fds.push_back(fd);
   f.fds_hold = m.fds;
   f.body_hold = body;
-  const std::size_t wire = kHeaderSize + f.body_size() + (body ? body->size() : 0);
+  const std::size_t wire =
+      kHeaderSize + f.body_size() + (body ? body->size() : 0) + fd_charge(f.wire_fds.size());
   if (charged < wire) port_->gauge.charge(wire - charged);
   f.charged = wire;
   f.original = std::make_unique<Message>(std::move(m));

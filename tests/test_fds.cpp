@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -367,6 +368,78 @@ TEST(FdsRouter, ReceiverOutOfFdsGivesTheSenderANamedDeadReplyAndLogs) {
   Message again = Message::make(c.id(), kTake, {});
   again.fds = FdSet(pipe_fds(3));
   EXPECT_EQ(router.call(std::move(again), 10s).text(), "3 fds, 3 open and cloexec");
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
+constexpr std::uint32_t kStall = 3104, kCountFds = 3105;
+
+std::size_t open_fd_count() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// A queued fd stays open in the sender until its frame is written, so each
+// is charged to the stream's high-water mark (kFdCharge): a sender that
+// outruns its peer waits, then gets QueueFullError, at about a thousand
+// queued fds, instead of running on into RLIMIT_NOFILE (by bytes alone the
+// default 8 MiB mark holds some 2,000 frames of 4 KiB, or 200,000 of 64 B,
+// each with its fd). Every message it was not told about arrives, with its
+// fd, once the peer reads again.
+TEST(FdsSend, QueuedFdsCountAgainstTheHighWaterMark) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, [](ChildEnv& env) {
+    Router& r = env.router();
+    auto fds_seen = std::make_shared<std::size_t>(0);
+    // The broker thread waits on the gate it was sent: the child reads nothing more.
+    r.add_handler([](Message&& m) {
+      char b;
+      (void)!::read(m.fds.raw().at(0), &b, 1);
+    }, {}, kStall);
+    r.add_handler([fds_seen](Message&& m) { *fds_seen += m.fds.size(); }, {}, kTake);
+    r.add_handler([&r, fds_seen](Message&& m) {
+      r.reply(m, Payload::copy_of(std::to_string(*fds_seen)));
+    }, {}, kCountFds);
+    env.serve();
+    return 0;
+  }, named("fd-stalled"));
+  FdPair gate = make_pipe();
+  Message stall = Message::make(c.id(), kStall, {});
+  std::vector<UniqueFd> gate_end;
+  gate_end.emplace_back(::fcntl(gate.a, F_DUPFD_CLOEXEC, 0));
+  stall.fds = FdSet(std::move(gate_end));
+  router.send(std::move(stall));
+
+  const std::size_t open_before = open_fd_count();
+  constexpr int kTries = 5000;
+  int accepted = 0;
+  std::size_t open_at_refusal = 0;
+  std::string refused;
+  for (int i = 0; i < kTries && refused.empty(); ++i) {
+    // 4 KiB each: the socket's buffers (4 MiB each way, stream.cpp) fill
+    // after a couple of thousand, and the rest queue here. (With small
+    // bodies the kernel would take every fd this test sends.)
+    Message m = Message::make(c.id(), kTake, Payload::copy_of(std::string(4096, 'f')));
+    m.fds = FdSet(pipe_fds(1));
+    try {
+      router.send(std::move(m), 200ms);
+      ++accepted;
+    } catch (const QueueFullError& e) {
+      refused = e.what();
+      open_at_refusal = open_fd_count();
+    }
+  }
+  ASSERT_FALSE(refused.empty()) << "all " << kTries << " sends were queued, each holding an fd";
+  EXPECT_TRUE(contains(refused, reason::kQueueFull)) << refused;
+  // 8 MiB / (4 KiB + kFdCharge) is about 680 queued; by bytes alone 2,000.
+  EXPECT_LT(open_at_refusal - open_before, 1000u) << accepted << " accepted";
+  // The peer reads again: what was accepted arrives, every fd with it.
+  ASSERT_EQ(::write(gate.b, "g", 1), 1);
+  EXPECT_EQ(c.call(kCountFds, std::string_view{}, 60s), std::to_string(accepted));
+  ::close(gate.a);
+  ::close(gate.b);
   c.shutdown();
   expect_exit_code(c, 0);
 }
