@@ -61,6 +61,7 @@ HandshakeResult ListenerHandshake::consume_mitogen(RxBuffer& rx, std::vector<std
   r.consumed = kMitogenHelloSize;
   peer_.dialect = Dialect::kMitogen;
   peer_.pid = be::get32(pid);
+  peer_.max_message_size = kMitogenMaxMessageSize;
   ServerHandshake::Assignment a = assign_(peer_);
   if (auto* reason = std::get_if<std::string>(&a)) {
     r.status = HandshakeStatus::kInvalid;

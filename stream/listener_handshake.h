@@ -1,7 +1,7 @@
 // ListenerHandshake: the accepting side of a socket that two dialects share.
 //
-// spindle-router's UNIX socket serves Spindle clients (a 12-byte "SPDL" hello,
-// see handshake.h) and stock Mitogen 0.3 clients (mitogen.unix.connect: the
+// spindle-router's UNIX socket serves Spindle clients (an "SPDL" hello, see
+// handshake.h) and stock Mitogen 0.3 clients (mitogen.unix.connect: the
 // client writes its pid as 4 big-endian bytes and reads back 12 bytes: its new
 // context id, the listener's id and the listener's pid). The first byte tells
 // them apart without ambiguity: a Spindle hello starts with 'S' (0x53), and a
@@ -25,6 +25,10 @@ namespace spindle {
 
 inline constexpr std::size_t kMitogenHelloSize = 4;   // >L pid
 inline constexpr std::size_t kMitogenReplySize = 12;  // >LLL your_id, listener_id, listener_pid
+// A Mitogen peer does not announce its maximum; this is Mitogen's default
+// (Router.max_message_size), over which its stream disconnects. A router
+// configured larger sends a Mitogen client nothing above it.
+inline constexpr std::uint32_t kMitogenMaxMessageSize = 128u << 20;
 
 class ListenerHandshake final : public Handshake {
  public:

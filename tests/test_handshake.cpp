@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "stream/handshake.h"
+#include "stream/listener_handshake.h"
 #include "stream/rx_buffer.h"
 
 // Everything here lives in namespace test_handshake, so that the unity build (scripts/test.sh)
@@ -395,6 +396,29 @@ TEST(HandshakeTest, MitogenFirstBytesRejected) {
   RxBuffer rx1;
   push(rx1, std::span<const std::uint8_t>(mitogen.data(), 1));
   EXPECT_EQ(g.server.consume(rx1, reply).status, HandshakeStatus::kInvalid);
+}
+
+// Both dialects leave the listener knowing how large a frame the client
+// takes: a Spindle client's hello says so; a Mitogen client's 4-byte pid
+// does not, and it gets Mitogen's default limit, however large the router's.
+TEST(HandshakeTest, AListenerKnowsEachDialectsMaximum) {
+  constexpr std::uint32_t kLarge = 1u << 30;
+  auto assign = [](const PeerInfo&) -> ServerHandshake::Assignment { return std::uint32_t{9}; };
+  ListenerHandshake mitogen(kServerId, kServerPid, kLarge, assign);
+  RxBuffer rx;
+  push(rx, Bytes{0x00, 0x00, 0x12, 0x34});
+  Bytes reply;
+  ASSERT_EQ(mitogen.consume(rx, reply).status, HandshakeStatus::kComplete);
+  EXPECT_EQ(mitogen.peer().dialect, Dialect::kMitogen);
+  EXPECT_EQ(mitogen.peer().max_message_size, kMitogenMaxMessageSize);
+
+  ListenerHandshake spindle(kServerId, kServerPid, kLarge, assign);
+  RxBuffer srx;
+  push(srx, encode_hello(kProtocolVersion, kFlagMaxMessageSize, 4242, 4096));
+  Bytes sreply;
+  ASSERT_EQ(spindle.consume(srx, sreply).status, HandshakeStatus::kComplete);
+  EXPECT_EQ(spindle.peer().dialect, Dialect::kSpindle);
+  EXPECT_EQ(spindle.peer().max_message_size, 4096u);
 }
 
 TEST(HandshakeTest, ClientRejectsNonSpindleServer) {
