@@ -12,10 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
-#include <string>
 
 namespace spindle::fd_registry {
 namespace {

@@ -109,20 +109,9 @@ Router::Link* Router::forward_target(Link& in, const Header& h, std::size_t body
     std::string why = fmt::format("{}: {} bytes exceeds the maximum of {} towards context {}",
                                   reason::kTooLarge, body, out->stream->max_message_size(), dst);
     // A reply has nobody to answer it, but its caller waits for it: that
-    // call fails now, with the reason, instead of at its deadline. The dead
-    // reply comes on the callee's behalf (as every dead reply does), so the
-    // caller's call table takes it; a callee could fail its own call anyway.
-    if (h.reply_to == 0 && !h.is_dead() && is_call_handle(h.handle)) {
-      Message d;
-      d.header = dead_header(h);
-      std::swap(d.header.dst_id, d.header.src_id);  // to the caller, from the callee
-      d.header.handle = h.handle;
-      d.data = Payload::copy_of(why);
-      ++stats_.dead_replies;
-      route_internal(std::move(d));
-    } else {
-      send_dead(h, std::move(why));
-    }
+    // call fails now, with the reason, instead of at its deadline.
+    if (h.reply_to == 0 && !h.is_dead() && is_call_handle(h.handle)) fail_answered_call(h, std::move(why));
+    else send_dead(h, std::move(why));
     return nullptr;
   }
   return out;
@@ -257,6 +246,19 @@ void Router::send_dead(const Header& about, std::string why) {
   Message d;
   d.header = dead_header(about);
   d.data = Payload::copy_of(why);
+  route_internal(std::move(d));
+}
+
+// The dead reply comes on the callee's behalf, as every dead reply does, so
+// the caller's call table takes it (a callee could fail its own call anyway).
+void Router::fail_answered_call(const Header& reply, std::string reason) {
+  ++stats_.dead_replies;
+  Message d;
+  d.header = dead_header(reply);
+  d.header.dst_id = reply.dst_id;  // the caller
+  d.header.src_id = reply.src_id;  // the callee
+  d.header.handle = reply.handle;  // the caller's call handle
+  d.data = Payload::copy_of(reason);
   route_internal(std::move(d));
 }
 

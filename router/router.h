@@ -299,6 +299,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   void forward_log(Link& in, const Message& m);
   Header dead_header(const Header& about) const;
   void send_dead(const Header& about, std::string reason);
+  // For a reply that cannot be delivered: fails the call it answers, with
+  // a dead reply to the caller on the callee's behalf.
+  void fail_answered_call(const Header& reply, std::string reason);
   void send_internal(Message&& m);  // broker thread: control messages of ours
   void route_internal(Message&& m);
   bool enqueue_on(Link& out, Message&& m, std::size_t charged);

@@ -1,8 +1,9 @@
 // Handshake: the small protocol a connection speaks before it carries frames.
 //
 // The connecting side (a child, or a client of spindle-router) sends a 16-byte
-// hello (12 without kFlagMaxMessageSize, as older clients send it); the accepting side answers with a 24-byte welcome that assigns the
-// client its context id, or with a refusal that says why. Bytes that follow the
+// hello (12 without kFlagMaxMessageSize, as older clients send it); the
+// accepting side answers with a 24-byte welcome that assigns the client its
+// context id, or with a refusal that says why. Bytes that follow the
 // handshake stay in the stream's RxBuffer and become the message protocol's
 // first input: the live connection is handed over without losing a byte.
 //

@@ -1,8 +1,8 @@
 // OutputGauge: the high-water mark on one stream's output queue.
 //
 // Every byte queued for a stream is charged here first and released once it
-// is written (or dropped with the stream); so is every fd (kFdCharge). Policy, as documented in
-// docs/PROTOCOL.md ("Back-pressure"):
+// is written (or dropped with the stream); so is every fd (kFdCharge).
+// Policy, as documented in docs/PROTOCOL.md ("Back-pressure"):
 //   - a user thread sending through the router waits while the queue is at or
 //     over the mark, up to its deadline, then gets QueueFullError;
 //   - the broker thread never waits: a message it would queue over the mark
