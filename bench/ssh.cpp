@@ -16,6 +16,11 @@
 //               idle 2-core VM: ~90 MB/s at 256 KiB, ~20 MB/s unbounded), so
 //               the headline row compares the best of each side, and one
 //               row per window compares like with like.
+//   remote fork spindle.fork on the remote context (the agent forks a child
+//               of its own on its host and answers with its id), one at a
+//               time: the median wall time. Floor: the same run's median
+//               spindle.echo round trip over that session, the least any
+//               request to the far side costs.
 //   first call  Runtime::ssh() plus one echo, to a remote_dir with no agent
 //               (the upload included), then to the same remote_dir again
 //               (the agent cached). Floors: for the upload, a raw session
@@ -79,6 +84,7 @@ struct Config {
   int rtt_warmup = 200, rtt_iters = 3000;
   std::size_t stream_bytes = std::size_t{128} << 20;
   int first_call_runs = 3;
+  int forks = 16;  // spindle.fork calls, each leaving a child on the far side
   std::chrono::seconds deadline{900};
 };
 
@@ -121,6 +127,26 @@ void spindle_rtt(const Context& remote, int warmup, int iters, std::vector<doubl
     if (back != msg) throw std::runtime_error("spindle.echo of 64 B came back wrong");
     if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
+}
+
+struct ForkTimes {
+  double median = 0, max = 0;
+};
+
+// `n` spindle.fork calls, one at a time, after one unmeasured (the first
+// fork pays for what the agent sets up once). Each answer must name a new
+// context that answers a call.
+ForkTimes remote_forks(const Context& remote, int n) {
+  std::vector<double> ms;
+  for (int i = 0; i <= n; ++i) {
+    auto t0 = Clock::now();
+    auto [id, name] = remote.call<std::tuple<long, std::string>>("spindle.fork", "f" + std::to_string(i));
+    const double t = ms_since(t0);
+    if (id <= 0 || name != "f" + std::to_string(i)) throw std::runtime_error("spindle.fork answered wrong");
+    if (i > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms.back()};
 }
 
 // `calls` echoes of 64 KiB, `window` at a time (start_call: the answers are
@@ -312,6 +338,11 @@ int run(const Config& cfg, bench::Report& report) {
   std::printf("  best of each: spindle.echo %.1f MB/s, raw ssh cat %.1f MB/s; ratio %.2f (target >= %.1f)\n",
               best_sp / 1e6, best_raw / 1e6, best_sp / best_raw, kThroughputTarget);
   report.add("ssh_throughput_64KiB_" + mib, best_sp / 1e6, "MB/s", best_raw / 1e6);
+
+  const auto forks = remote_forks(remote, cfg.forks);
+  std::printf("remote fork (median / max ms, %d forks): spindle.fork %.2f / %.2f; one spindle.echo %.3f ms\n",
+              cfg.forks, forks.median, forks.max, sp.median / 1e3);
+  report.add("ssh_remote_fork_ms", forks.median, "ms", sp.median / 1e3);
   remote.stop();
   report.finish();
   return 0;
@@ -342,6 +373,7 @@ int main(int argc, char** argv) {
     cfg.rtt_iters = 500;
     cfg.stream_bytes = std::size_t{16} << 20;
     cfg.first_call_runs = 1;
+    cfg.forks = 4;
     cfg.deadline = std::chrono::seconds(240);  // inside smoke.bench_ssh's 300 s
   }
   log().set_level(spdlog::level::warn);

@@ -13,6 +13,16 @@ std::optional<std::uint32_t> parse_context_id(std::string_view s) {
   return v;
 }
 
+std::optional<std::pair<std::uint32_t, std::uint32_t>> parse_id_range(std::string_view s) {
+  const auto dash = s.find('-');
+  auto first = parse_context_id(s.substr(0, dash));
+  if (!first) return std::nullopt;
+  if (dash == std::string_view::npos) return std::pair{*first, std::uint32_t{1}};
+  auto last = parse_context_id(s.substr(dash + 1));
+  if (!last || *last < *first || *last - *first == UINT32_MAX) return std::nullopt;
+  return std::pair{*first, *last - *first + 1};
+}
+
 Message dead_message(std::string_view reason) {
   Message d = Message::make(0, 0, Payload::copy_of(reason), kEncMitogen);
   d.header.reply_to = kHandleIsDead;

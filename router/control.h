@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include <spdlog/common.h>
 
@@ -17,6 +18,11 @@ namespace spindle {
 // A context id in ASCII decimal, as ADD_ROUTE, DEL_ROUTE and ALLOCATE_ID
 // carry it. Rejects empty input, signs, spaces and trailing bytes.
 std::optional<std::uint32_t> parse_context_id(std::string_view s);
+
+// ALLOCATE_ID's answer to a request for a block: "first-last" (inclusive),
+// or one id alone (a root that grants one id, or predates blocks). Returns
+// the first id and the count; rejects last < first and malformed text.
+std::optional<std::pair<std::uint32_t, std::uint32_t>> parse_id_range(std::string_view s);
 
 // A dead message carrying `reason`, addressed nowhere yet (for local failure).
 Message dead_message(std::string_view reason);

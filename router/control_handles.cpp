@@ -24,24 +24,40 @@
 namespace spindle {
 namespace {
 // How many contexts one child link may announce with ADD_ROUTE, and how many
-// ids it may hold allocated but unannounced: bounds on what a misbehaving
-// peer can make the root hold (docs/PROTOCOL.md, 6.2).
+// blocks of ids it may hold granted but unannounced: bounds on what a
+// misbehaving peer can make the root hold (docs/PROTOCOL.md, 6.2, 6.4).
 constexpr std::size_t kMaxRoutesPerLink = 65536;
-constexpr std::size_t kMaxPendingAllocations = 1024;
+constexpr std::size_t kMaxPendingGrants = 1024;
 }  // namespace
 
+// Request: empty (one id, answered "id") or the ASCII count of a block
+// (answered "first-last"). A block goes to a child link, whose sub-router
+// forks from it; a listener's client, possibly hostile, gets one id per
+// request whatever it asks, so it cannot spend the id space faster than one
+// id per message.
 void Router::allocate_for(Message&& m) {
   if (parent_id()) return send_dead(m.header, "ALLOCATE_ID must be sent to the root context");
+  const std::string asked = m.text();
+  std::uint32_t count = 1;
+  if (!asked.empty()) {
+    auto n = parse_context_id(asked);
+    if (!n || *n == 0)
+      return send_dead(m.header, fmt::format("malformed ALLOCATE_ID request: {:?} is not a count of ids",
+                                             asked.substr(0, 32)));
+    count = std::min<std::uint32_t>(*n, IdGrants::kMaxIdBlock);
+  }
   Link* via = m.header.src_id == id() ? nullptr : route_for(m.header.src_id);
-  if (via && via->allocated.size() >= kMaxPendingAllocations)
+  if (via && via->client) count = 1;
+  if (via && via->allocated.blocks() >= kMaxPendingGrants)
     return send_dead(m.header, fmt::format("{}: {} ids allocated for stream {} are not announced yet",
-                                           reason::kRefusedByPolicy, via->allocated.size(),
+                                           reason::kRefusedByPolicy, via->allocated.ids(),
                                            via->stream->name()));
-  auto next = take_id();
-  if (!next) return send_dead(m.header, std::string(reason::kIdsExhausted));
-  if (via) via->allocated.insert(*next);
-  Message r = Message::reply_to(m, Payload::copy_of(std::to_string(*next)), kEncMitogen);
-  send_internal(std::move(r));
+  auto ids = take_ids(count);
+  if (!ids) return send_dead(m.header, std::string(reason::kIdsExhausted));
+  const auto [first, granted] = *ids;
+  if (via) via->allocated.grant(first, granted);
+  std::string text = asked.empty() ? std::to_string(first) : fmt::format("{}-{}", first, first + granted - 1);
+  send_internal(Message::reply_to(m, Payload::copy_of(text), kEncMitogen));
 }
 
 bool Router::accept_add_route(Link& in, std::uint32_t target) {
@@ -58,7 +74,7 @@ bool Router::accept_add_route(Link& in, std::uint32_t target) {
                               kMaxRoutesPerLink));
   if (!parent_) {
     // The root: only the link that asked for the id, and only once.
-    if (in.allocated.erase(target) == 0) return refuse(reason::kNotYourId);
+    if (!in.allocated.claim(target)) return refuse(reason::kNotYourId);
   }
   return true;
 }

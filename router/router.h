@@ -22,7 +22,7 @@
 //
 // Ids: the root context is 0. The root allocates ids from a counter that only
 // grows (never reused within a run); other contexts ask the root with
-// ALLOCATE_ID.
+// ALLOCATE_ID for a block of ids and take their next ones from it.
 //
 // Thread safety: send(), route(), request(), call(), add_handler(), del_handler(),
 // on_disconnect() and allocate_id() are safe from any thread. Stream events
@@ -50,6 +50,7 @@
 #include "spindle/options.h"
 #include "router/call_table.h"
 #include "router/handlers.h"
+#include "router/id_grants.h"
 #include "router/outbox.h"
 #include "router/router_link.h"
 #include "stream/stream.h"
@@ -239,7 +240,7 @@ class Router : public StreamListener, public ShutdownParticipant {
     // Root only: ids ALLOCATE_ID handed out for contexts behind this link and
     // not yet announced. Only this link may announce them, once; they die
     // with the link (an id whose link has gone can never be claimed).
-    std::unordered_set<std::uint32_t> allocated;
+    IdGrants allocated;
     LogBudget log_budget;
     std::function<std::string(const std::string&)> explain_close;  // set_close_explainer()
     std::uint64_t refusals = 0;                 // since the last summary line
@@ -293,8 +294,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   void complete_call(Message&& m);
   bool handle_control(Link& in, Message& m);  // control_handles.cpp
   void allocate_for(Message&& m);
-  // Root: the next id, or nothing once they are all handed out (never wraps).
-  std::optional<std::uint32_t> take_id();
+  // Root: the next `count` ids (fewer at the end of the id space), or nothing
+  // once they are all handed out (never wraps). Returns the first and count.
+  std::optional<std::pair<std::uint32_t, std::uint32_t>> take_ids(std::uint32_t count);
   bool accept_add_route(Link& in, std::uint32_t target);
   void forward_log(Link& in, const Message& m);
   Header dead_header(const Header& about) const;
@@ -355,6 +357,10 @@ class Router : public StreamListener, public ShutdownParticipant {
   const std::uint64_t serial_;  // this router among all in the process (route caches)
   std::atomic<std::uint32_t> id_{0};
   std::atomic<std::uint32_t> next_id_{1};  // root only
+  // Non-root: ids of the root's last block not used yet (allocate_id() takes
+  // the lowest), so a sub-router forks most children without a round trip.
+  std::mutex spare_ids_mu_;
+  std::vector<std::uint32_t> spare_ids_;  // descending: back() is next
   std::atomic<bool> parent_up_{false};
   std::shared_ptr<MemoryBudget> budget_;
   std::shared_ptr<BudgetRelief> relief_;

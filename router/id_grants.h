@@ -1,0 +1,55 @@
+// IdGrants: the ids the root handed one link with ALLOCATE_ID and that link
+// has not announced yet (docs/PROTOCOL.md 6.4).
+//
+// A grant is a block of up to kMaxIdBlock consecutive ids: a sub-router
+// takes a block and forks its children from it without asking again (as
+// Mitogen's id allocator does), a listener's client one id at a time. Each
+// id may be announced once, by the link it was granted to; an announced id
+// leaves its block, and an empty block is forgotten. So what a peer makes
+// the root hold is bounded by the number of blocks (the caller's limit), not
+// by the ids in them: a block is one map entry.
+//
+// Thread: the root router's broker thread. Owned by the Router's Link.
+#pragma once
+
+#include <cstdint>
+#include <map>
+
+namespace spindle {
+
+class IdGrants {
+ public:
+  static constexpr std::uint32_t kMaxIdBlock = 32;
+
+  // Blocks held (each with at least one id unannounced), and ids in them.
+  std::size_t blocks() const { return unannounced_.size(); }
+  std::size_t ids() const { return ids_; }
+
+  // Records ids first .. first + count - 1 (count 1 .. kMaxIdBlock), which
+  // the caller took from the id counter: they overlap no earlier grant.
+  void grant(std::uint32_t first, std::uint32_t count) {
+    const std::uint64_t mask = count >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << count) - 1;
+    unannounced_.emplace(first, mask);
+    ids_ += count;
+  }
+
+  // Whether `id` was granted here and not announced yet; if so it is
+  // announced now, so a second claim of it fails.
+  bool claim(std::uint32_t id) {
+    auto it = unannounced_.upper_bound(id);
+    if (it == unannounced_.begin()) return false;
+    --it;
+    const std::uint32_t offset = id - it->first;
+    if (offset >= 64 || !(it->second >> offset & 1)) return false;
+    it->second &= ~(std::uint64_t{1} << offset);
+    --ids_;
+    if (it->second == 0) unannounced_.erase(it);
+    return true;
+  }
+
+ private:
+  std::map<std::uint32_t, std::uint64_t> unannounced_;  // first id -> bit i: first + i unannounced
+  std::size_t ids_ = 0;
+};
+
+}  // namespace spindle
