@@ -25,7 +25,6 @@
 namespace spindle::python {
 namespace {
 
-
 void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler, int depth);
 
 std::size_t bin_header_size(std::size_t n) { return n <= 0xff ? 2 : n <= 0xffff ? 3 : 5; }
@@ -158,46 +157,42 @@ void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler,
   if (depth > kMaxDepth) throw py::value_error("spindle: value nested too deeply to send");
   PyObject* o = obj.ptr();
   if (o == Py_None) {
-      p.pack_nil();
-      return;
-    }
+    p.pack_nil();
+    return;
+  }
   if (PyBool_Check(o)) {
     o == Py_True ? p.pack_true() : p.pack_false();
     return;
   }
-  if (PyLong_CheckExact(o) || (PyLong_Check(o) && !PyBool_Check(o))) {
+  if (PyLong_Check(o)) {  // bool was taken above
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
     if (overflow == 0) {
       if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-      {
       p.pack_int64(v);
       return;
-    }
     }
     if (overflow > 0) {
       unsigned long long u = PyLong_AsUnsignedLongLong(o);
       if (!(u == static_cast<unsigned long long>(-1) && PyErr_Occurred())) {
-      p.pack_uint64(u);
-      return;
-    }
+        p.pack_uint64(u);
+        return;
+      }
       PyErr_Clear();
     }
     return pack_pickled(p, b, obj, pickler);  // beyond 64 bits
   }
   if (PyFloat_Check(o)) {
-      p.pack_double(PyFloat_AS_DOUBLE(o));
-      return;
-    }
+    p.pack_double(PyFloat_AS_DOUBLE(o));
+    return;
+  }
   if (PyUnicode_Check(o)) {
     Py_ssize_t n = 0;
     const char* s = PyUnicode_AsUTF8AndSize(o, &n);
     if (!s) throw py::error_already_set();
     p.pack_str(static_cast<std::uint32_t>(n));
-    {
-      p.pack_str_body(s, static_cast<std::uint32_t>(n));
-      return;
-    }
+    p.pack_str_body(s, static_cast<std::uint32_t>(n));
+    return;
   }
   if (PyBytes_Check(o)) {
     if (static_cast<std::size_t>(PyBytes_GET_SIZE(o)) > UINT32_MAX)
@@ -207,10 +202,8 @@ void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler,
       b.attach(obj, PyBytes_AS_STRING(o), static_cast<std::size_t>(PyBytes_GET_SIZE(o)));
       return;
     }
-    {
-      p.pack_bin_body(PyBytes_AS_STRING(o), static_cast<std::uint32_t>(PyBytes_GET_SIZE(o)));
-      return;
-    }
+    p.pack_bin_body(PyBytes_AS_STRING(o), static_cast<std::uint32_t>(PyBytes_GET_SIZE(o)));
+    return;
   }
   if (PyByteArray_Check(o) || PyMemoryView_Check(o)) {
     if (pack_large_buffer(p, b, obj)) return;
