@@ -8,7 +8,8 @@
 // announced, or an id whose link has gone, can never be claimed by anyone
 // again. The ids die with their link, so a departure costs only its own.
 // A non-root router cannot know who asked the root, so it refuses only
-// conflicts; the root, which every route reaches in the end, enforces
+// conflicts and the ids of its own block (kept for children it has not
+// forked yet); the root, which every route reaches in the end, enforces
 // ownership.
 //
 // Everything a peer writes is logged escaped (one record stays one line) and
@@ -75,6 +76,9 @@ bool Router::accept_add_route(Link& in, std::uint32_t target) {
   if (!parent_) {
     // The root: only the link that asked for the id, and only once.
     if (!in.allocated.claim(target)) return refuse(reason::kNotYourId);
+  } else if (holds_spare_id(target)) {
+    // Ours, for a child not forked yet: the root would accept it from us.
+    return refuse(reason::kNotYourId);
   }
   return true;
 }

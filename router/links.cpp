@@ -106,7 +106,11 @@ Router::Link* Router::route_for(std::uint32_t dst) {
 // The ports application threads send through follow the route table; the
 // epoch tells their per-thread caches that something changed.
 void Router::add_route(std::uint32_t id, Link& via) {
-  routes_[id] = &via;
+  // A new child link over an id that another link announced: the id is the
+  // new link's now, so the old one's departure must not take it away.
+  Link*& route = routes_[id];
+  if (route && route != &via) route->behind.erase(id);
+  route = &via;
   via.behind.insert(id);
   {
     std::lock_guard lk(ports_mu_);

@@ -180,6 +180,11 @@ std::uint32_t Router::allocate_id() {
   return first;
 }
 
+bool Router::holds_spare_id(std::uint32_t id) {
+  std::lock_guard lk(spare_ids_mu_);
+  return std::find(spare_ids_.begin(), spare_ids_.end(), id) != spare_ids_.end();
+}
+
 // One counter for every caller (allocate_id() on any thread, ALLOCATE_ID on
 // the broker's): a compare-and-swap, so two callers never get the same id.
 std::optional<std::pair<std::uint32_t, std::uint32_t>> Router::take_ids(std::uint32_t count) {

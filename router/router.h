@@ -298,6 +298,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   // once they are all handed out (never wraps). Returns the first and count.
   std::optional<std::pair<std::uint32_t, std::uint32_t>> take_ids(std::uint32_t count);
   bool accept_add_route(Link& in, std::uint32_t target);
+  // Non-root: whether `id` waits in this router's block for a child of its own.
+  bool holds_spare_id(std::uint32_t id);
   void forward_log(Link& in, const Message& m);
   Header dead_header(const Header& about) const;
   void send_dead(const Header& about, std::string reason);

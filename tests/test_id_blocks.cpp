@@ -3,6 +3,9 @@
 // each block on the link that asked, accepts ADD_ROUTE for each id of it
 // once, from that link only, and gives a listener's client one id per
 // request whatever it asks for.
+#include <signal.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <string>
 #include <tuple>
@@ -25,8 +28,6 @@ namespace test_id_blocks {
 
 using namespace testutil;
 using namespace std::chrono_literals;
-
-constexpr std::uint32_t kEcho = 3300;
 
 TEST(IdGrants, EachGrantedIdIsClaimedOnceAndNothingElse) {
   IdGrants g;
@@ -132,15 +133,36 @@ TEST_F(IdBlocksClient, AListenersClientGetsOneIdPerRequest) {
 
 inline constexpr method<long()> kForkOne{"test.fork_one"};
 inline constexpr method<long()> kEchoId{"test.my_id"};
+inline constexpr method<long()> kForkHijacker{"test.fork_hijacker"};
+inline constexpr method<long()> kForkBlockHijacker{"test.fork_block_hijacker"};
+inline constexpr method<long()> kPid{"test.pid"};
 
 int leaf_main(ChildEnv& env) {
   env.expose(kEchoId, [&env] { return static_cast<long>(env.router().id()); }, Allow::kAnyone);
   return env.serve();
 }
 
+// A grandchild that announces the id `kAhead` after its own, as if a
+// context of its own had it: with 1, the next id of its parent's block;
+// with a block's size, the first of the block its parent will get next.
+template <std::uint32_t kAhead>
+int hijacker_main(ChildEnv& env) {
+  Router& r = env.router();
+  r.send(Message::make(*r.parent_id(), kHandleAddRoute,
+                       Payload::copy_of(fmt::format("{}:stolen", r.id() + kAhead)), kEncMitogen));
+  env.expose(kPid, [] { return static_cast<long>(::getpid()); }, Allow::kAnyone);
+  return env.serve();
+}
+
 // Its leaves end when it does: their parent link closes.
 int sub_router_main(ChildEnv& env) {
   env.expose(kForkOne, [&env] { return static_cast<long>(fork_child(env.router(), leaf_main, named("leaf")).id()); });
+  env.expose(kForkHijacker, [&env] {
+    return static_cast<long>(fork_child(env.router(), hijacker_main<1>, named("hijacker")).id());
+  });
+  env.expose(kForkBlockHijacker, [&env] {
+    return static_cast<long>(fork_child(env.router(), hijacker_main<IdGrants::kMaxIdBlock>, named("hijacker")).id());
+  });
   return env.serve();
 }
 
@@ -159,6 +181,55 @@ TEST(IdBlocks, ASubRouterForksItsChildrenFromOneBlock) {
   for (long id : {first, second})
     EXPECT_EQ(rt.context(static_cast<std::uint32_t>(id), "leaf").call(kEchoId), id);
   EXPECT_EQ(other.call(kEchoId), static_cast<long>(other.id()));
+}
+
+// Kills the context `h` (whose pid is `pid`) and waits until the root
+// knows that it is gone.
+void kill_and_wait(const Context& h, long pid) {
+  ASSERT_EQ(::kill(static_cast<pid_t>(pid), SIGKILL), 0);
+  ASSERT_TRUE(eventually([&] {
+    try {
+      h.call(kPid);
+      return false;
+    } catch (const std::exception&) {
+      return true;
+    }
+  }, 20s)) << "the hijacker's death never reached the root";
+}
+
+// A child cannot claim an id its parent keeps for a child not forked yet:
+// the parent refuses it (the root would accept it, from the parent's link).
+TEST(IdBlocks, AGrandchildCannotTakeAnIdItsParentKeepsForAChild) {
+  Runtime rt;
+  Child sub = rt.fork_child(sub_router_main);
+  const long hijacker = sub.call(kForkHijacker);
+  Context h = rt.context(static_cast<std::uint32_t>(hijacker), "hijacker").with_timeout(10s);
+  const long pid = h.call(kPid);  // answered after its ADD_ROUTE went up
+  const long leaf = sub.call(kForkOne);
+  ASSERT_EQ(leaf, hijacker + 1) << "the leaf did not get the id the hijacker announced";
+  Context l = rt.context(static_cast<std::uint32_t>(leaf), "leaf").with_timeout(10s);
+  EXPECT_EQ(l.call(kEchoId), leaf);
+  kill_and_wait(h, pid);
+  EXPECT_EQ(l.call(kEchoId), leaf) << "the hijacker's departure took the leaf's route with it";
+}
+
+// An id announced before its parent has it (the first of the next block)
+// is the real child's once the parent forks it: the announcer's departure
+// then leaves the child's route alone.
+TEST(IdBlocks, AnIdAnnouncedBeforeItsBlockCameIsTheRealChildsOnceForked) {
+  Runtime rt;
+  Child sub = rt.fork_child(sub_router_main);
+  const long hijacker = sub.call(kForkBlockHijacker);
+  Context h = rt.context(static_cast<std::uint32_t>(hijacker), "hijacker").with_timeout(10s);
+  const long pid = h.call(kPid);
+  long leaf = 0;
+  for (std::uint32_t i = 0; i < IdGrants::kMaxIdBlock; ++i) leaf = sub.call(kForkOne);
+  ASSERT_EQ(leaf, hijacker + static_cast<long>(IdGrants::kMaxIdBlock))
+      << "the last leaf did not get the id the hijacker announced";
+  Context l = rt.context(static_cast<std::uint32_t>(leaf), "leaf").with_timeout(10s);
+  EXPECT_EQ(l.call(kEchoId), leaf);
+  kill_and_wait(h, pid);
+  EXPECT_EQ(l.call(kEchoId), leaf) << "the hijacker's departure took the leaf's route with it";
 }
 
 }  // namespace test_id_blocks
