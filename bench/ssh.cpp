@@ -134,8 +134,8 @@ struct ForkTimes {
 };
 
 // `n` spindle.fork calls, one at a time, after one unmeasured (the first
-// fork pays for what the agent sets up once). Each answer must name a new
-// context that answers a call.
+// fork pays for what the agent sets up once). Each answer must carry an id
+// and the name asked for.
 ForkTimes remote_forks(const Context& remote, int n) {
   std::vector<double> ms;
   for (int i = 0; i <= n; ++i) {

@@ -20,6 +20,7 @@ namespace spindle {
 class IdGrants {
  public:
   static constexpr std::uint32_t kMaxIdBlock = 32;
+  static_assert(kMaxIdBlock < 64, "a block's ids are the bits of one u64 mask");
 
   // Blocks held (each with at least one id unannounced), and ids in them.
   std::size_t blocks() const { return unannounced_.size(); }
@@ -28,8 +29,7 @@ class IdGrants {
   // Records ids first .. first + count - 1 (count 1 .. kMaxIdBlock), which
   // the caller took from the id counter: they overlap no earlier grant.
   void grant(std::uint32_t first, std::uint32_t count) {
-    const std::uint64_t mask = count >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << count) - 1;
-    unannounced_.emplace(first, mask);
+    unannounced_.emplace(first, (std::uint64_t{1} << count) - 1);
     ids_ += count;
   }
 

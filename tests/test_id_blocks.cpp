@@ -13,15 +13,14 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <spindle/spindle.h>
+
+#include "router/child.h"
 #include "router/control.h"
 #include "router/id_grants.h"
-#include "router/reasons.h"
-#include "spindle/method.h"
 #include "tests/raw_peer.h"
 #include "tests/router_fixture.h"
 #include "tests/router_test_util.h"
-#include "api/runtime.h"
-#include "router/child.h"
 
 namespace spindle {
 namespace test_id_blocks {
