@@ -38,6 +38,8 @@
 #include <tuple>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include <gtest/gtest.h>
 
 #include <spindle/spindle.h>
@@ -286,6 +288,44 @@ TEST_F(Ssh, AnUnauthorizedKeyFailsPromptlyWithSshsStatus) {
     EXPECT_NE(what.find("Permission denied"), std::string::npos) << what;
   }
   EXPECT_LT(seconds_since(t0), 4.0) << "a failed login must not wait for connect_timeout (or a prompt)";
+}
+
+// The bootstrap compares the remote `uname -s -m` with the one the agent was
+// built for, which this process passes on its command line. A stand-in for
+// ssh changes the machine it passes, as a parent of another architecture
+// would: the remote side must refuse before anything is uploaded, and ssh()
+// must say which architectures differ.
+TEST_F(Ssh, ARemoteHostOfAnotherArchitectureIsAClearErrorAndGetsNoUpload) {
+  utsname u{};
+  ASSERT_EQ(::uname(&u), 0);
+  const std::string machine = u.machine, other = std::string("not-") + u.machine;
+  const std::string wrapper = sshd_->dir() + "/ssh-from-another-machine";
+  {
+    std::ofstream out(wrapper, std::ios::trunc);
+    out << "#!/bin/bash\n"
+           "# ssh, with the agent's machine in the bootstrap command (the last word) replaced\n"
+           "cmd=\"${@: -1}\"\n"
+           "exec ssh \"${@:1:$#-1}\" \"${cmd/\\'" << machine << "\\' /\\'" << other << "\\' }\"\n";
+    ASSERT_TRUE(out.good());
+  }
+  ASSERT_EQ(::chmod(wrapper.c_str(), 0700), 0);
+  spindle::SshOptions o = options();
+  o.ssh_program = wrapper;
+  auto t0 = Clock::now();
+  try {
+    spindle::Child box = start(o);
+    ADD_FAILURE() << "ssh() started a context on a host of another architecture";
+  } catch (const spindle::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(fmt::format("the remote host is {} {}, but the agent is built for {} {}",
+                                    u.sysname, machine, u.sysname, other)),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("97"), std::string::npos) << "no exit status in: " << what;
+  }
+  EXPECT_LT(seconds_since(t0), 10.0);
+  EXPECT_TRUE(entries(cache()).empty()) << "something was uploaded: "
+                                        << ::testing::PrintToString(entries(cache()));
 }
 
 TEST_F(Ssh, KillingSshFailsThePendingCallAtOnce) {
