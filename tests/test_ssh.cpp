@@ -328,6 +328,39 @@ TEST_F(Ssh, ARemoteHostOfAnotherArchitectureIsAClearErrorAndGetsNoUpload) {
                                         << ::testing::PrintToString(entries(cache()));
 }
 
+std::size_t occurrences(const std::string& text, std::string_view what) {
+  std::size_t n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// SshOptions::control_path: the first context's ssh becomes the master, and
+// the second context's session runs over the same connection, so sshd
+// authenticates once and opens two sessions.
+TEST_F(Ssh, TwoContextsShareOneControlMaster) {
+  spindle::SshOptions o = options();
+  o.control_path = sshd_->dir() + "/master.sock";
+  {
+    spindle::Child a = start(o);
+    EXPECT_EQ(a.with_timeout(10s).call(echo, std::string("a")), "a");
+    struct stat st {};
+    ASSERT_EQ(::stat(o.control_path.c_str(), &st), 0) << "no master socket at " << o.control_path;
+    EXPECT_TRUE(S_ISSOCK(st.st_mode));
+    spindle::Child b = start(o);
+    EXPECT_EQ(b.with_timeout(10s).call(echo, std::string("b")), "b");
+    EXPECT_EQ(a.with_timeout(10s).call(echo, std::string("a again")), "a again");
+    const std::string log = sshd_->log();
+    EXPECT_EQ(occurrences(log, "Accepted publickey"), 1u) << sshd_->log_tail(30);
+    EXPECT_EQ(occurrences(log, "Starting session: command"), 2u) << sshd_->log_tail(30);
+    EXPECT_EQ(b.stop(), 0);
+    EXPECT_EQ(a.stop(), 0);
+  }
+  // ControlPersist keeps the master for a while: end it now.
+  const std::string exit_master = fmt::format("ssh -F /dev/null -o ControlPath={} -O exit 127.0.0.1 2>/dev/null",
+                                              o.control_path);
+  EXPECT_EQ(std::system(exit_master.c_str()), 0);
+}
+
 TEST_F(Ssh, KillingSshFailsThePendingCallAtOnce) {
   spindle::SshOptions o = options();
   o.agent = kTestAgent;
