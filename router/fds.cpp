@@ -100,15 +100,21 @@ bool Router::map_sealed_body(Message& m) {
   return true;
 }
 
-void Router::on_stream_refused(Stream& s, Message&& m, const std::string& why) {
+void Router::on_stream_refused(Stream& s, Message&& m, Refused where, const std::string& why) {
   // A local sender's message refused on the way out, or a frame refused on
   // arrival: either way the reply goes to its src_id, routed as usual (and
-  // without reply_to, send_dead counts it). The log line is the link's
-  // refusal summary, at most one a second: a peer that sends a refusable
-  // frame in a loop must not write one line per frame.
+  // without reply_to, send_dead counts it). A frame refused on arrival is
+  // refused before on_stream_frame() checked who it claims to come from, so
+  // that claim is checked here first: a forged src_id would otherwise route
+  // the dead reply to a context that never sent the frame, and fail its call
+  // (the reverse-path check answers a forgery on the link it came in on).
+  // The log line is the link's refusal summary, at most one a second: a peer
+  // that sends a refusable frame in a loop must not write one line per frame.
+  Link* l = link_of(s);
+  if (where == Refused::kOnArrival && l && !reverse_path_ok(*l, m.header)) return;
   const std::string what = fmt::format("message from context {} to context {} handle {}: {}",
                                        m.header.src_id, m.header.dst_id, m.header.handle, why);
-  if (Link* l = link_of(s)) note_refusal(*l, "undeliverable SF frame", what);
+  if (l) note_refusal(*l, "undeliverable SF frame", what);
   else log().warn("stream={} {}", s.name(), what);
   send_dead(m.header, why);
 }

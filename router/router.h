@@ -217,7 +217,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void on_stream_batch_begin(Stream& s) override;
   void on_stream_batch_end(Stream& s) override;
   void on_stream_invalid(Stream& s, const ParseResult& r) override;
-  void on_stream_refused(Stream& s, Message&& m, const std::string& reason) override;  // fds.cpp
+  void on_stream_refused(Stream& s, Message&& m, Refused where, const std::string& reason) override;  // fds.cpp
   void on_stream_below_mark(Stream& s) override;
   void on_stream_closed(Stream& s, const std::string& reason, Unsent unsent) override;
   // ShutdownParticipant (broker thread)

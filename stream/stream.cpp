@@ -103,7 +103,7 @@ struct ReadResumer {
 
 void StreamListener::on_stream_frame(Stream& s, InFrame& f) { on_stream_message(s, f.take()); }
 
-void StreamListener::on_stream_refused(Stream& s, Message&& m, const std::string& reason) {
+void StreamListener::on_stream_refused(Stream& s, Message&& m, Refused, const std::string& reason) {
   log().warn("stream={} message to context {} handle {} not delivered: {}", s.name(),
              m.header.dst_id, m.header.handle, reason);
 }

@@ -103,7 +103,11 @@ class StreamListener {
   // so its sender can be told why; the stream stays open. The stream logs
   // only lost fds (this process is out of them: an error); the listener logs
   // the rest, at a rate a peer cannot drive (the default logs each one).
-  virtual void on_stream_refused(Stream& s, Message&& m, const std::string& reason);
+  // `where` says which: a message refused on arrival still claims its
+  // sender, unchecked, so the listener must check that claim before it
+  // answers it (a peer could otherwise make it fail someone else's call).
+  enum class Refused { kOnArrival, kOnSend };
+  virtual void on_stream_refused(Stream& s, Message&& m, Refused where, const std::string& reason);
   // After notify_below_mark(): the output queue is under its high-water mark.
   virtual void on_stream_below_mark(Stream&) {}
   // Exactly once. `unsent` is what was still queued, so its senders can be

@@ -123,7 +123,7 @@ bool Stream::bind_fds(Message& m) {
     // This process ran out of fds: its own failure, an error whoever sent.
     log().error("stream={} {}; message from context {} handle {} refused", name(), why,
                 m.header.src_id, m.header.handle);
-    listener_->on_stream_refused(*this, std::move(m), why);
+    listener_->on_stream_refused(*this, std::move(m), StreamListener::Refused::kOnArrival, why);
     return false;
   }
   if (prefix->memfd_body()) {
@@ -136,7 +136,7 @@ bool Stream::bind_fds(Message& m) {
                         opts_.max_message_size);
     if (!err.empty()) {
       std::string why = fmt::format("{}: {}", fdreason::kBadMemfd, err);
-      listener_->on_stream_refused(*this, std::move(m), why);  // it logs, at the rate it allows
+      listener_->on_stream_refused(*this, std::move(m), StreamListener::Refused::kOnArrival, why);  // it logs, at the rate it allows
       return false;
     }
     m.sealed_body = std::move(body);
@@ -149,7 +149,7 @@ void Stream::refuse(Message&& m, std::size_t charged, const std::string& reason)
   if (charged) port_->gauge.release(charged);
   m.fds = {};
   m.sealed_body.reset();
-  listener_->on_stream_refused(*this, std::move(m), reason);
+  listener_->on_stream_refused(*this, std::move(m), StreamListener::Refused::kOnSend, reason);
 }
 
 // Frames a message for this peer. A plain small message is copied into the

@@ -142,7 +142,7 @@ inline Context spawn_echo_on_pipes(Router& router, const std::string& name) {
 // A Recorder that also keeps what the stream refused, and why.
 class FdRecorder : public Recorder {
  public:
-  void on_stream_refused(Stream&, Message&& m, const std::string& why) override {
+  void on_stream_refused(Stream&, Message&& m, Refused, const std::string& why) override {
     std::lock_guard lk(mu);
     refused.push_back(std::move(m));
     refusals.push_back(why);

@@ -122,6 +122,41 @@ TEST_F(Hardening, QueuedFramesAreChargedAtWhatTheyCostNotTheirPayload) {
   EXPECT_GE(stats_field(client_line(src_id), " holds="), 1);
 }
 
+// §7.3: an SF frame refused on arrival (its "memfd" body is a pipe) is
+// refused before routing, so before the reverse-path check of on_stream_frame.
+// Its dead reply must not go to the src_id it claims: a client could fail
+// another context's pending call (reply_to) with a forged refusal. It is
+// answered as any forgery is, on the link it came in on.
+TEST_F(Hardening, AnFdFrameRefusedOnArrivalIsNotAnsweredToTheSenderItClaims) {
+  start({});
+  RawPeer victim = raw_client(kFlagFdPassing);
+  const std::uint32_t victim_id = id_;
+  RawPeer forger = raw_client(kFlagFdPassing);
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+  UniqueFd rd(pipe_fds[0]), wr(pipe_fds[1]);
+  int not_a_memfd = rd.get();
+  ASSERT_TRUE(send_with_fds(forger.fd, memfd_frame(0, victim_id, 4000, 71),
+                            std::span<const int>(&not_a_memfd, 1)));
+  Message d;
+  ASSERT_TRUE(forger.read_frame_for(victim_id, 71, d, 20s)) << router_->log();
+  EXPECT_TRUE(d.is_dead());
+  EXPECT_NE(d.text().find(reason::kReversePath), std::string::npos) << d.text();
+  // The victim's next answer from the router is the one it asks for now:
+  // nothing for handle 71 came before it.
+  victim.send_frame(frame(0, victim_id, victim_id, 4000, 72), "");
+  Message first;
+  ASSERT_TRUE(victim.read_frame(first, 20s)) << router_->log();
+  EXPECT_EQ(first.header.handle, 72u) << "the victim got a frame for handle " << first.header.handle << ": "
+                                      << first.text();
+  // A refusal of the real sender's own frame still reaches it.
+  ASSERT_TRUE(send_with_fds(victim.fd, memfd_frame(0, victim_id, 4000, 73),
+                            std::span<const int>(&not_a_memfd, 1)));
+  ASSERT_TRUE(victim.read_frame_for(victim_id, 73, d, 20s)) << router_->log();
+  EXPECT_NE(d.text().find(fdreason::kBadMemfd), std::string::npos) << d.text();
+  expect_served("a forged fd frame");
+}
+
 // §1: a memfd body for the router itself is mapped only once its handler is
 // known: sparse 100 MiB bodies to an unknown handle and to ping cost the router
 // no memory (before the fix each was mapped with MAP_POPULATE first).
