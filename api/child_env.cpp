@@ -129,6 +129,7 @@ int ChildEnv::serve_on(std::size_t threads) {
       svc->expose(f.method, std::move(access),
                   [fn = f.fn](services::Request& req) {
                     detail::ReceivedFds fds(req.message().fds);  // for UniqueFd arguments
+                    detail::CallingContext caller(req.caller().auth_id);
                     return fn(req.args());
                   },
                   services::Encoding::kMsgpack, f.on_receiver && !here);

@@ -125,6 +125,16 @@ ReceivedFds::ReceivedFds(const FdSet& fds) : outer_(t_received) { t_received = &
 ReceivedFds::~ReceivedFds() { t_received = outer_; }
 const FdSet* ReceivedFds::current() { return t_received; }
 
+namespace {
+thread_local const CallingContext* t_caller = nullptr;
+}  // namespace
+CallingContext::CallingContext(std::uint32_t auth_id) : outer_(t_caller), auth_id_(auth_id) { t_caller = this; }
+CallingContext::~CallingContext() { t_caller = outer_; }
+std::optional<std::uint32_t> CallingContext::current() {
+  if (!t_caller) return std::nullopt;
+  return t_caller->auth_id_;
+}
+
 Payload payload_of(msgpack::sbuffer&& buf, std::vector<UniqueFd> fds) {
   std::shared_ptr<ArgsWithFds> owner(new ArgsWithFds{std::move(buf), FdSet(std::move(fds))},
                                      ArgsWithFdsDeleter{});

@@ -38,6 +38,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <tuple>
@@ -128,6 +129,23 @@ class ReceivedFds {
 
  private:
   const FdSet* outer_;
+};
+
+// The context whose call this thread is running (the request's auth_id),
+// for an exposed function that must know who called: the Python binding
+// unpickles arguments only from its own family.
+class CallingContext {
+ public:
+  explicit CallingContext(std::uint32_t auth_id);
+  ~CallingContext();
+  CallingContext(const CallingContext&) = delete;
+  CallingContext& operator=(const CallingContext&) = delete;
+  // The innermost caller on this thread; nullopt outside an exposed call.
+  static std::optional<std::uint32_t> current();
+
+ private:
+  const CallingContext* outer_;
+  std::uint32_t auth_id_;
 };
 
 // Takes the buffer's bytes as a Payload without copying them.

@@ -357,7 +357,10 @@ void bind_messages(py::module_& m) {
       .def_property_readonly("context_id", [](const PyReceiver& r) { return r.self.id(); })
       .def("get", [](PyReceiver& r, double timeout) {
         if (!r.own) throw py::value_error("spindle: this receiver belongs to a Select: get() from the Select");
-        return select_get(r.own, timeout);
+        // A copy: Select.add() on another thread resets r.own (the last
+        // reference) while this thread waits on the core without the GIL.
+        std::shared_ptr<SelectCore> core = r.own;
+        return select_get(core, timeout);
       })
       .def("move_to", &PyReceiver::move_to)
       .def("close", &PyReceiver::close)

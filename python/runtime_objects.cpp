@@ -18,7 +18,9 @@
 #include <Python.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -108,21 +110,69 @@ struct PyChild {
   void abandon() { (void)child.release(); }
 };
 
+// The way into a ChildEnv from Python. A Connection's env is freed by
+// close(), which another thread may call while one serves (the usual way to
+// stop serving) or is about to call ready(): every entry counts itself in,
+// and close() shuts the gate, then waits for those inside to leave before it
+// frees the env. A child's main env lives as long as main, and its gate is
+// never shut.
+struct EnvGate {
+  std::mutex mu;
+  std::condition_variable left;
+  ChildEnv* env = nullptr;
+  int inside = 0;
+
+  explicit EnvGate(ChildEnv* e) : env(e) {}
+  // Called without the GIL: a thread inside may need it to leave.
+  void shut_and_wait() {
+    std::unique_lock lk(mu);
+    env = nullptr;
+    left.wait(lk, [&] { return inside == 0; });
+  }
+};
+
 struct PyChildEnv {
-  ChildEnv* env;  // valid while the child's main (or its Connection) runs
+  std::shared_ptr<EnvGate> gate;
+
+  // Holds the env open for one call; throws once the Connection is closed.
+  class Entry {
+   public:
+    explicit Entry(EnvGate& g) : g_(g) {
+      std::lock_guard lk(g_.mu);
+      if (!g_.env) throw py::value_error("spindle: this connection is closed");
+      ++g_.inside;
+      env_ = g_.env;
+    }
+    ~Entry() {
+      std::lock_guard lk(g_.mu);
+      if (--g_.inside == 0) g_.left.notify_all();
+    }
+    Entry(const Entry&) = delete;
+    Entry& operator=(const Entry&) = delete;
+    ChildEnv* operator->() const { return env_; }
+
+   private:
+    EnvGate& g_;
+    ChildEnv* env_ = nullptr;
+  };
 
   void expose(const std::string& name, bool anyone, py::object fn) {
     auto ref = std::make_shared<PyRef>(fn);
+    Entry env(*gate);
     py::gil_scoped_release nogil;  // registering may wait for the broker thread
     env->expose_encoded(name, anyone ? Allow::kAnyone : Allow::kParent,
                         [ref](const Payload& args) -> Payload {
                           // A worker or serve() thread, never the broker's.
+                          // Who called (auth_id): the package unpickles
+                          // arguments only from its own family.
+                          const auto caller = detail::CallingContext::current();
                           py::gil_scoped_acquire gil;
                           std::string type, message;
                           try {
                             // The package's handler: (True, result bytes) or
                             // (False, (type name, text and traceback)).
-                            py::tuple r = ref->get()(payload_object(args));
+                            py::object who = caller ? py::object(py::int_(*caller)) : py::object(py::none());
+                            py::tuple r = ref->get()(payload_object(args), who);
                             if (r[0].cast<bool>()) return from_bytes(r[1]);
                             auto failure = r[1].cast<py::tuple>();
                             type = failure[0].cast<std::string>();
@@ -139,8 +189,14 @@ struct PyChildEnv {
                         });
   }
   int serve() {
+    Entry env(*gate);
     py::gil_scoped_release nogil;
     return env->serve();
+  }
+  void ready() {
+    Entry env(*gate);
+    py::gil_scoped_release nogil;
+    env->ready();
   }
 };
 
@@ -148,7 +204,7 @@ struct PyChildEnv {
 // gives its exit code; a Python exception is printed and exits 1.
 int run_python_main(PyObject* main, ChildEnv& env) {
   try {
-    py::object rc = py::handle(main)(PyChildEnv{&env});
+    py::object rc = py::handle(main)(PyChildEnv{std::make_shared<EnvGate>(&env)});
     return rc.is_none() ? 0 : rc.cast<int>();
   } catch (py::error_already_set& e) {
     if (e.matches(PyExc_SystemExit)) {
@@ -234,6 +290,7 @@ struct PyRuntime {
 struct PyConnection {
   std::unique_ptr<Connection> conn;
   std::unique_ptr<ChildEnv> env;  // made on first use; goes before conn
+  std::shared_ptr<EnvGate> gate;   // env's, shut before env goes
 
   PyConnection(std::unique_ptr<Connection> c) : conn(std::move(c)) {}
   PyConnection(PyConnection&&) = default;
@@ -248,8 +305,11 @@ struct PyConnection {
   }
   PyChildEnv serving_env() {
     Connection& c = get();
-    if (!env) env = std::make_unique<ChildEnv>(c.router(), c.broker());
-    return PyChildEnv{env.get()};
+    if (!env) {
+      env = std::make_unique<ChildEnv>(c.router(), c.broker());
+      gate = std::make_shared<EnvGate>(env.get());
+    }
+    return PyChildEnv{gate};
   }
   std::vector<PyContext> find(const std::string& pattern) {
     Connection& c = get();
@@ -266,7 +326,10 @@ struct PyConnection {
     std::unique_ptr<ChildEnv> e = std::move(env);
     std::unique_ptr<Connection> doomed = std::move(conn);
     py::gil_scoped_release nogil;
+    // Closing ends serve() on any thread; whoever is still inside the env
+    // (serve() returning, a ready() in progress) leaves before it is freed.
     if (doomed) doomed->close();
+    if (gate) gate->shut_and_wait();
     e.reset();
     doomed.reset();
   }
@@ -314,14 +377,19 @@ void bind_runtime_objects(py::module_& m) {
       .def("abandon", &PyChild::abandon);
 
   py::class_<PyChildEnv>(m, "ChildEnv")
-      .def_property_readonly("id", [](const PyChildEnv& e) { return e.env->id(); })
-      .def("expose", &PyChildEnv::expose)
-      .def("ready", [](PyChildEnv& e) {
-        py::gil_scoped_release nogil;
-        e.env->ready();
+      .def_property_readonly("id", [](const PyChildEnv& e) { return PyChildEnv::Entry(*e.gate)->id(); })
+      .def_property_readonly("parent_id", [](const PyChildEnv& e) -> std::optional<std::uint32_t> {
+        PyChildEnv::Entry env(*e.gate);
+        try {
+          return env->parent().id();
+        } catch (const Error&) {  // a router's client: no parent
+          return std::nullopt;
+        }
       })
+      .def("expose", &PyChildEnv::expose)
+      .def("ready", &PyChildEnv::ready)
       .def("serve", &PyChildEnv::serve)
-      .def("port", [](PyChildEnv& e) { return make_port(e.env->router()); });
+      .def("port", [](PyChildEnv& e) { return make_port(PyChildEnv::Entry(*e.gate)->router()); });
 
   m.attr("DEFAULT_WAIT_SPIN") = std::chrono::duration<double>(kDefaultWaitSpin).count();
   py::class_<PyRuntime>(m, "Runtime")

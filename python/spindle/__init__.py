@@ -29,7 +29,6 @@ from each other: see docs/GUIDE.md, section "Python".
 """
 
 import os
-import pickle
 import sys
 import weakref
 
@@ -37,7 +36,7 @@ from . import _spindle
 from ._calls import (DEFAULT_TIMEOUT, _PY_CALL, Child, Context, _live, _Owner, _py_call)
 from ._messages import Fd, Message, Receiver, Select, Sender, _decoding
 from .errors import (CallError, ChannelError, Error, FdError, PickleRefusedError, ShutdownError,
-                     TimeoutError, _format_exception, _pickle_dumps, _refuse_pickle)
+                     TimeoutError, _format_exception, _pickle_dumps, _PickleTrust)
 
 # A writable buffer over a fresh memfd, sent without a copy (binding.h).
 Buffer = _spindle.Buffer
@@ -57,16 +56,16 @@ class ChildEnv:
     arrival order, on the thread that called serve().
     """
 
-    def __init__(self, core, unpickler, in_child):
+    def __init__(self, core, trust, in_child):
         self._core = core
-        self._unpickler = unpickler
+        self._trust = trust  # whose pickles it takes (errors._PickleTrust)
         self._in_child = in_child  # False: a Connection's, serving router clients
         self._names = set()
         self._port = core.port()
 
     def receiver(self):
         """A Receiver on a fresh handle of this context (see spindle.Receiver)."""
-        return Receiver(self._port, self._unpickler)
+        return Receiver(self._port, self._trust)
 
     @property
     def id(self):
@@ -78,13 +77,13 @@ class ChildEnv:
         Only the parent may call it unless anyone is true. It takes
         positional msgpack arguments and returns one value.
         """
-        unpickler = self._unpickler
+        trust = self._trust
         port = self._port
 
-        def handler(data):
+        def handler(data, caller):
             try:
                 with _decoding(port):  # a Sender argument sends through this context
-                    args = _spindle.unpack(data, unpickler)
+                    args = _spindle.unpack(data, trust.unpickler(caller))
                 if not isinstance(args, list):
                     raise TypeError("spindle: the arguments are not a msgpack array")
                 return True, _spindle.pack(fn(*args), _pickle_dumps)
@@ -141,7 +140,10 @@ def _flush_stdio():
 def _child_main(target):
     """The C++ child main: a ChildEnv for `core`, then target(env) or serve()."""
     def main(core):
-        env = ChildEnv(core, pickle.loads, in_child=True)
+        # Pickles from its parent (and itself) only: an exposed function with
+        # anyone=True, or a receiver, may hear from any context.
+        family = [core.id] + ([core.parent_id] if core.parent_id is not None else [])
+        env = ChildEnv(core, _PickleTrust(ids=family), in_child=True)
         try:
             rc = target(env) if target is not None else env.serve()
             return 0 if rc is None else int(rc)
@@ -195,7 +197,8 @@ class Router(_Endpoint):
         # to this long before it sleeps (RouterOptions::wait_spin); 0: never.
         self._max_message_size = int(max_message_size)
         self._core = _spindle.Runtime(self._max_message_size, float(wait_spin))
-        self._owner = _Owner("Router", allow_pickle=True)  # its own children only
+        # Pickles from itself and the Python children it starts (_adopt).
+        self._owner = _Owner("Router", _PickleTrust(ids=[self._core.id]))
         self._owner._port = self._core.port()
         self._children = []
         _live.add(self)
@@ -204,9 +207,11 @@ class Router(_Endpoint):
     def id(self):
         return self._core.id
 
-    def _adopt(self, core_child):
+    def _adopt(self, core_child, python=False):
         child = Child(core_child, self._owner)
         self._children.append(weakref.ref(child))
+        if python:  # runs this package: its pickles are ours
+            self._owner._trust.ids.add(child.id)
         return child
 
     def fork(self, target=None, *, name=""):
@@ -219,7 +224,7 @@ class Router(_Endpoint):
         """
         self._owner._check()
         _flush_stdio()
-        return self._adopt(self._core.fork(_child_main(target), name))
+        return self._adopt(self._core.fork(_child_main(target), name), python=True)
 
     def spawn(self, *, name="", python=None, main=None, argv=None):
         """Starts `python -m spindle.child` (a fresh interpreter) and returns its Child.
@@ -236,7 +241,7 @@ class Router(_Endpoint):
             return self._adopt(self._core.spawn(os.fspath(argv[0]), [str(a) for a in argv[1:]], name))
         args = ["-m", "spindle.child", "--max-message-size", str(self._max_message_size)]
         args += ["--main", main] if main else []
-        return self._adopt(self._core.spawn(python or sys.executable, args, name))
+        return self._adopt(self._core.spawn(python or sys.executable, args, name), python=True)
 
     def ssh(self, host, *, user="", port=0, identity_file="", ssh_args=(), connect_timeout=10.0,
             control_path="", agent="", remote_dir="", name="", via=None):
@@ -296,7 +301,7 @@ class Connection(_Endpoint):
 
     def __init__(self, path="", *, name=None, allow_pickle=False, timeout=10.0):
         self._core = _spindle.Connection(path, name or "", timeout)
-        self._owner = _Owner("Connection", allow_pickle)
+        self._owner = _Owner("Connection", _PickleTrust(everyone=allow_pickle))
         self._owner._port = self._core.port()
         self._allow_pickle = allow_pickle
         self._env = None
@@ -327,8 +332,7 @@ class Connection(_Endpoint):
 
     def _serving_env(self):
         if self._env is None:
-            unpickler = pickle.loads if self._allow_pickle else _refuse_pickle
-            self._env = ChildEnv(self._core.env(), unpickler, in_child=False)
+            self._env = ChildEnv(self._core.env(), self._owner._trust, in_child=False)
         return self._env
 
     def expose(self, name, fn, anyone=False):
@@ -338,10 +342,12 @@ class Connection(_Endpoint):
 
     def ready(self):
         """Declares the functions exposed before serving: calls to them wait for serve()."""
+        self._owner._check()
         self._serving_env().ready()
 
     def serve(self):
         """Serves exposed functions until the router goes away or close()."""
+        self._owner._check()
         return self._serving_env().serve()
 
     def close(self):

@@ -8,14 +8,13 @@ import concurrent.futures
 import importlib
 import itertools
 import os
-import pickle
 import threading
 import weakref
 
 from . import _spindle
 from ._messages import Receiver, _decoding, _send
 from ._messages import _live as _live_messages
-from .errors import ShutdownError, _error_of, _pickle_dumps, _refuse_pickle
+from .errors import ShutdownError, _error_of, _pickle_dumps
 
 #: Seconds a call waits for its answer unless told otherwise.
 DEFAULT_TIMEOUT = 30.0
@@ -82,10 +81,10 @@ class _Dispatcher:
         self._thread = threading.Thread(target=self._run, name="spindle-completions", daemon=True)
         self._thread.start()
 
-    def register(self, future):
+    def register(self, future, callee):
         with self._lock:
             token = next(self._tokens)
-            self._pending[token] = future
+            self._pending[token] = (future, callee)
         return token
 
     def forget(self, token):
@@ -99,11 +98,11 @@ class _Dispatcher:
                 return
             token, outcome = item
             with self._lock:
-                future = self._pending.pop(token, None)
+                future, callee = self._pending.pop(token, (None, 0))
             if future is None or not future.set_running_or_notify_cancel():
                 continue  # cancelled: the answer is dropped
             try:
-                result = self._decode(outcome)
+                result = self._decode(outcome, callee)
             except BaseException as exc:  # noqa: B902 - it belongs to the caller
                 future.set_exception(exc)
             else:
@@ -118,24 +117,24 @@ class _Dispatcher:
 class _Owner:
     """What a Router and a Connection share: decoding and futures."""
 
-    def __init__(self, label, allow_pickle):
+    def __init__(self, label, trust):
         self._label = label  # "Router" or "Connection", for errors
-        self._unpickler = pickle.loads if allow_pickle else _refuse_pickle
+        self._trust = trust  # whose pickles it takes (a Router adds its children)
         self._dispatcher = _Dispatcher(self._decode)
         self._closed = False
         self._port = None  # set by the Router or Connection: sends, makes receivers
         self._receivers = weakref.WeakSet()
 
-    def _decode(self, outcome):
+    def _decode(self, outcome, callee):
         kind, a, b = outcome
         if kind == _spindle.OK:
             with _decoding(self._port):  # a Sender in the result sends through this router
-                return _spindle.unpack(a, self._unpickler)
+                return _spindle.unpack(a, self._trust.unpickler(callee))
         raise _error_of(kind, a, b)
 
     def _receiver(self):
         self._check()
-        rx = Receiver(self._port, self._unpickler)
+        rx = Receiver(self._port, self._trust)
         self._receivers.add(rx)
         return rx
 
@@ -193,7 +192,7 @@ class Context:
         """
         self._owner._check()
         name, data = self._request(fn, args, kwargs)
-        return self._owner._decode(self._core.call(name, data, self._timeout))
+        return self._owner._decode(self._core.call(name, data, self._timeout), self.id)
 
     def call_async(self, fn, *args, **kwargs):
         """call(), returning a concurrent.futures.Future at once."""
@@ -201,7 +200,7 @@ class Context:
         name, data = self._request(fn, args, kwargs)
         future = concurrent.futures.Future()
         dispatcher = self._owner._dispatcher
-        token = dispatcher.register(future)
+        token = dispatcher.register(future, self.id)
         try:
             self._core.start_call(name, data, self._timeout, dispatcher.queue, token)
         except BaseException:

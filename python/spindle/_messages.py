@@ -173,7 +173,7 @@ def _message(item, receiver):
             raise FdError(dead)
         raise ChannelError(dead)
     with _decoding(receiver._port):
-        value = _spindle.unpack(data, receiver._unpickler)
+        value = _spindle.unpack(data, receiver._trust.unpickler(src_id))
     return Message(value, fds, src_id, handle, reply_to, receiver)
 
 
@@ -249,9 +249,9 @@ class Receiver(_Waiting):
     messages get a dead reply.
     """
 
-    def __init__(self, port, unpickler):
+    def __init__(self, port, trust):
         self._port = port
-        self._unpickler = unpickler
+        self._trust = trust  # whose pickles it takes (errors._PickleTrust)
         self._core = port.receiver()
         self._select = None
         self._closed = False

@@ -109,6 +109,38 @@ def _refuse_pickle(data, buffers=None):
         "spindle.connect(..., allow_pickle=True) accepts it from a router's clients")
 
 
+class _PickleTrust:
+    """Whose pickled values an endpoint unpickles.
+
+    Unpickling runs code, so a pickle is taken only from this process's own
+    family: a Router's Python children (fork(), spawn() of spindle.child)
+    and itself; a child's parent and itself. Not from an ssh agent, a
+    spawn(argv=...) program, a sibling or a router's client, which may all
+    run code this process does not control; except where the user opted in
+    (everyone: connect(..., allow_pickle=True)). The sender is the frame's
+    src_id (a call's callee, a message's sender) or auth_id (an exposed
+    function's caller), which the routers on the way have checked against
+    the link it came by (the reverse-path check).
+    """
+
+    def __init__(self, everyone=False, ids=()):
+        self.everyone = everyone
+        self.ids = set(ids)
+
+    def unpickler(self, sender):
+        if self.everyone or sender in self.ids:
+            return pickle.loads
+        if not self.ids:  # a Connection without allow_pickle
+            return _refuse_pickle
+
+        def refuse(data, buffers=None):
+            raise PickleRefusedError(
+                f"spindle: refused a pickled value from context {sender}: unpickling runs "
+                "code, so pickle is accepted only between a parent and its own Python "
+                "children (not from an ssh agent, a spawn(argv=...) program or a sibling)")
+        return refuse
+
+
 def _type_name(exc):
     t = type(exc)
     if t.__module__ == "builtins":

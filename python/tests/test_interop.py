@@ -39,6 +39,21 @@ def test_python_parent_calls_cpp_child(router):
     assert c.stop() == 0
 
 
+def test_no_pickle_from_a_child_that_is_not_python(router):
+    # spawn(argv=...) runs a program this package does not vouch for: what it
+    # sends is not unpickled (unpickling runs code), while its plain values are.
+    c = router.spawn(argv=[helper("py_peer"), "serve"], name="cpp")
+    assert c.call("args_back", 1, "two") == [1, "two"]
+    with pytest.raises(spindle.PickleRefusedError, match=f"from context {c.id}"):
+        c.call("args_back", pyfuncs.Point(1, 2))
+    with pytest.raises(spindle.PickleRefusedError, match=f"from context {c.id}"):
+        c.call_async("args_back", pyfuncs.Point(1, 2)).result(timeout=30)
+    # A Python child's pickles are taken.
+    py = router.fork()
+    assert py.call(pyfuncs.echo, pyfuncs.Point(1, 2)) == pyfuncs.Point(1, 2)
+    assert c.stop() == 0
+
+
 def test_a_python_sender_reaches_a_cpp_child(router):
     # ext 84 both ways: a C++ child's spindle::Sender<long> parameter takes a
     # Python Sender (test_cpp_parent_calls_python_child does the reverse).

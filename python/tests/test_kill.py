@@ -51,7 +51,9 @@ def test_a_child_killed_mid_transfer_leaves_nothing(router):
         try:
             f.result(timeout=30)  # some may have finished before the kill
         except spindle.ChannelError as e:
-            assert "victim" in str(e) or "disconnected" in str(e), e
+            # Killed, or refused before: the child's lane holds 64 MiB of
+            # calls at most, and a slow child may not have taken the first.
+            assert any(k in str(e) for k in ("victim", "disconnected", "service queue full")), e
     assert os.WTERMSIG(child.stop()) == signal.SIGKILL
     # The Child holds the child's pidfd for as long as it lives (its handle
     # on the process, as Popen's): let it go before counting fds.

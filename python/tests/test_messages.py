@@ -5,7 +5,9 @@ the test caused, never with time passing (except the timeout tests).
 """
 
 import pickle
+import sys
 import threading
+import time
 
 import pytest
 
@@ -33,6 +35,35 @@ def echo_main(env):
             back, n = msg.data
             back.send(n * 2)
 
+    threading.Thread(target=loop, daemon=True).start()
+    return env.serve()
+
+
+def keeping_main(env):
+    """A child whose receiver keeps what arrives, or why it was refused."""
+    rx = env.receiver()
+    kept = []
+    arrived = threading.Condition()
+
+    def loop():
+        while True:
+            try:
+                item = ("value", repr(rx.get().data))
+            except spindle.PickleRefusedError as e:
+                item = ("refused", str(e))
+            except spindle.ChannelError:
+                return
+            with arrived:
+                kept.append(item)
+                arrived.notify_all()
+
+    def first(n):
+        with arrived:
+            arrived.wait_for(lambda: len(kept) >= n, timeout=BOUND)
+            return kept[:n]
+
+    env.expose("inbox", lambda: rx.sender)
+    env.expose("first", first)
     threading.Thread(target=loop, daemon=True).start()
     return env.serve()
 
@@ -186,6 +217,49 @@ def test_close_wakes_a_waiting_thread(router):
     rx.close()
     t.join(BOUND)
     assert not t.is_alive() and len(errors) == 1
+
+
+def test_a_receiver_moved_into_a_select_while_a_thread_waits_on_it(router):
+    # The waiting thread held the receiver's own core only through the
+    # receiver, which Select() let go: it read freed memory (a crash).
+    for _ in range(5):
+        rx = router.receiver()
+        errors = []
+
+        def wait():
+            try:
+                rx.get(timeout=BOUND)
+            except spindle.ChannelError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        while sys._current_frames().get(t.ident) is None or \
+                sys._current_frames()[t.ident].f_code.co_name != "get":
+            time.sleep(0.001)
+        time.sleep(0.01)  # into the wait itself (a failure only if it crashes)
+        sel = spindle.Select([rx])
+        t.join(BOUND)
+        assert not t.is_alive() and len(errors) == 1
+        assert "moved into a Select" in str(errors[0])
+        router.context(router.id).send(rx.handle, b"to the select")
+        assert sel.get(timeout=BOUND).data == b"to the select"
+        sel.close()
+
+
+def test_a_child_takes_pickles_from_its_parent_not_from_a_sibling(router):
+    # Unpickling runs code: a sibling (or an ssh agent, or a spawn(argv=...)
+    # program) could run its own code in this child with a crafted pickle.
+    keeper = router.fork(keeping_main, name="keeper")
+    sibling = router.fork(name="sibling")
+    inbox = keeper.call("inbox")
+    assert sibling.call(send_each, inbox, [{1, 2}, "plain"]) == 2  # a set is pickled
+    inbox.send({3})  # from the parent: taken
+    kept = keeper.call("first", 3)
+    assert kept[0][0] == "refused" and f"from context {sibling.id}" in kept[0][1], kept
+    assert kept[1:] == [["value", "'plain'"], ["value", "{3}"]]
+    keeper.stop()
+    sibling.stop()
 
 
 def test_a_childs_send_to_a_closed_receiver_comes_back_dead(router, child):

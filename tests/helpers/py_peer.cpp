@@ -44,6 +44,9 @@ int serve() {
     env.expose(count_to, [](spindle::Sender<long> to, long n) {
       for (long i = 1; i <= n; ++i) to.send(i);
     });
+    // Its arguments back as they came (one msgpack array), whatever they
+    // hold: a program that is not Python can still send a pickle (ext 80).
+    env.expose_encoded("args_back", spindle::Allow::kParent, [](const spindle::Payload& args) { return args; });
     return env.serve();
   });
 }
