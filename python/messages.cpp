@@ -113,24 +113,33 @@ struct SelectCore {
 // A message as the package's tuple: (serial, handle, src_id, reply_to,
 // dead reason or None, data Payload, [owned fd ints]).
 py::tuple message_tuple(std::uint64_t serial, Message& m) {
-  std::vector<int> fds;
+  // Whatever can throw comes before the fds leave their owners: a peer's
+  // dead reply whose text is not UTF-8 must not leak the fds it carried.
+  auto text = [](const std::string& s) {
+    PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace");
+    if (!o) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(o);
+  };
+  py::object dead = py::none();
+  if (m.is_dead()) dead = text(m.text());
+  else if (m.is_call_error()) {
+    CallErrorText t = parse_call_error(m);
+    dead = text(t.type + ": " + t.what);
+  }
+  py::object data = payload_object(std::move(m.data));
+  std::vector<UniqueFd> owned;
   if (!m.fds.empty()) {
-    std::vector<UniqueFd> owned;
     try {
       owned = m.fds.take_all();  // the message's own fds: no dup near RLIMIT_NOFILE
     } catch (const std::system_error& e) {
       raise_os_error(e);
     }
-    for (UniqueFd& f : owned) fds.push_back(f.release());
   }
-  py::object dead = py::none();
-  if (m.is_dead()) dead = py::str(m.text());
-  else if (m.is_call_error()) {
-    CallErrorText t = parse_call_error(m);
-    dead = py::str(t.type + ": " + t.what);
-  }
-  return py::make_tuple(serial, m.header.handle, m.header.src_id, m.header.reply_to, dead,
-                        payload_object(std::move(m.data)), fds);
+  py::list fds;
+  for (const UniqueFd& f : owned) fds.append(f.get());
+  py::tuple out = py::make_tuple(serial, m.header.handle, m.header.src_id, m.header.reply_to, dead, data, fds);
+  for (UniqueFd& f : owned) (void)f.release();  // the package's Fd objects own them now
+  return out;
 }
 
 // The next message of `core`, or None on timeout (seconds < 0: none) or

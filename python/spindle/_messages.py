@@ -347,6 +347,8 @@ class Select(_Waiting):
             raise TimeoutError(f"spindle: no message within {timeout} s")
         receiver = self._receivers.get(item[0])
         if receiver is None:  # closed meanwhile: its message still says where it came
+            for n in item[6]:
+                Fd(n).close()
             raise ChannelError(f"spindle: a message for a receiver closed since (handle {item[1]})")
         return _message(item, receiver)
 

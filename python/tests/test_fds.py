@@ -253,3 +253,23 @@ def test_fds_never_leak(router):
     os.close(r)
     os.close(w)
     child.stop()
+
+
+def test_a_dead_message_whose_text_is_not_utf8_closes_its_fds(router):
+    # A peer can send any bytes as a dead message (reply_to 999) with fds:
+    # decoding its text raised before the fds had owners, and they leaked.
+    me = router.context(router.id)
+    r, w = os.pipe()
+    with router.receiver() as rx:
+        me.send(rx.handle, 0, fds=[r])  # warm up, as above
+        rx.get(timeout=BOUND).fds[0].close()
+        gc.collect()
+        before = open_fds()
+        for _ in range(20):
+            me.send(rx.handle, b"\xff\xfe", fds=[r, w] * 4, reply_to=999)
+            with pytest.raises(spindle.ChannelError):
+                rx.get(timeout=BOUND)
+        gc.collect()
+        assert open_fds() == before
+    os.close(r)
+    os.close(w)
