@@ -57,6 +57,9 @@ void Router::allocate_for(Message&& m) {
   if (!ids) return send_dead(m.header, std::string(reason::kIdsExhausted));
   const auto [first, granted] = *ids;
   if (via) via->allocated.grant(first, granted);
+  // No reply_to (0, or a dead frame's 999): the grant stands, and nobody is
+  // told (PROTOCOL.md 6.4); a reply would go to handle 0 or 999 of the sender.
+  if (m.header.reply_to == 0 || m.header.is_dead()) return;
   std::string text = asked.empty() ? std::to_string(first) : fmt::format("{}-{}", first, first + granted - 1);
   send_internal(Message::reply_to(m, Payload::copy_of(text), kEncMitogen));
 }

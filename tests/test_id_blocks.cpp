@@ -60,6 +60,24 @@ TEST(IdGrants, RangesParseAsFirstAndCount) {
 }
 
 // A child link of an in-process root asks for blocks by hand.
+// PROTOCOL.md 6.4: a request without reply_to consumes its grant and gets
+// no reply (it was answered on handle 0 of the sender before).
+TEST(IdBlocks, ARequestWithoutReplyToGetsNoReplyButItsIdIsSpent) {
+  Broker broker;
+  Router router(broker, root_opts());
+  const std::uint32_t n = router.allocate_id();
+  RawPeer peer;
+  ASSERT_TRUE(attach_raw(router, peer, n));
+  ASSERT_EQ(peer.handshake(), n);
+  peer.send_frame(frame(0, n, n, kHandleAllocateId, 0, kEncMitogen), "");
+  peer.send_frame(frame(0, n, n, kHandleAllocateId, 7, kEncMitogen), "");
+  Message first;
+  ASSERT_TRUE(peer.read_frame(first, 20s));
+  EXPECT_EQ(first.header.handle, 7u) << "a reply came for a request without reply_to: " << first.text();
+  EXPECT_EQ(first.text(), std::to_string(n + 2)) << "the silent request's id was not spent";
+  EXPECT_TRUE(peer.goodbye());
+}
+
 TEST(IdBlocks, TheRootGrantsAChildLinkABlockAndEachIdOnce) {
   Broker broker;
   Router router(broker, root_opts());
