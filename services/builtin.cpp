@@ -55,9 +55,17 @@ std::string format_stats(Router& router, Listener* listener) {
 
 std::unique_ptr<Service> make_stats_service(Router& router, Listener* listener) {
   auto s = std::make_unique<Service>(kStatsService);
-  // Any admitted client may read the stats: the listener admits only the
-  // router's uid and --allow-uid ones (docs/ROUTER.md).
-  s->expose(kStatsMethod, Access::any(), [&router, listener](Request&) {
+  // The stats name every client's pid, uid and traffic: only the router
+  // itself and clients of its own uid may read them, not one admitted with
+  // --allow-uid (docs/ROUTER.md). Every client keeps its own auth_id
+  // (PROTOCOL.md 7.3.1), so the caller's uid is its link's.
+  auto same_uid = Access::when("the router or a same-uid client", [&router](const Caller& c) {
+    if (c.auth_id == c.self_id) return true;
+    for (const ClientStats& cs : router.client_stats())
+      if (cs.id == c.auth_id) return cs.uid == ::geteuid();
+    return false;
+  });
+  s->expose(kStatsMethod, std::move(same_uid), [&router, listener](Request&) {
     return Payload::copy_of(format_stats(router, listener));
   });
   return s;

@@ -148,6 +148,58 @@ TEST(RouterLimits, ConnectRefusesASocketInADirectoryAnotherUserOwns) {
   ::close(l);
 }
 
+// The stats name every client's pid, uid and traffic: a client admitted
+// with --allow-uid may ping the router but not read them; the router's own
+// uid may.
+TEST(RouterLimits, StatsAreForTheRoutersOwnUidOnly) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  constexpr uid_t kOther = 65534;
+  TempDir dir;
+  const std::string sock = fmt::format("@spindle-test-stats-uid-{}", ::getpid());
+  RouterProcess router(SPINDLE_ROUTER_BINARY, sock, {"--allow-uid", std::to_string(kOther)},
+                       dir.path() + "/router.log");
+  ASSERT_TRUE(router.wait_ready()) << router.log();
+  EXPECT_NE(router_stats_text(sock).find("client id="), std::string::npos);  // ours: fine
+  int result[2];
+  ASSERT_EQ(::pipe2(result, O_CLOEXEC), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(result[0]);
+    std::string out;
+    if (::setgid(kOther) != 0 || ::setuid(kOther) != 0) {
+      out = "setuid failed";
+    } else {
+      try {
+        auto c = connect(sock);
+        out = services::call_text(c->router_context(), services::kPingService, services::kPingMethod,
+                                  "hi", std::chrono::seconds(10));
+        try {
+          services::call_text(c->router_context(), services::kStatsService, services::kStatsMethod, "",
+                              std::chrono::seconds(10));
+          out += "|stats answered";
+        } catch (const std::exception& e) {
+          out += std::string("|") + e.what();
+        }
+      } catch (const std::exception& e) {
+        out = std::string("error: ") + e.what();
+      }
+    }
+    (void)!::write(result[1], out.data(), out.size());
+    ::_exit(0);
+  }
+  ::close(result[1]);
+  std::string got;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(result[0], buf, sizeof buf)) > 0;) got.append(buf, static_cast<std::size_t>(n));
+  ::close(result[0]);
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_EQ(got.substr(0, got.find('|')), "hi") << got;
+  EXPECT_NE(got.find("refused"), std::string::npos) << got;
+  EXPECT_NE(got.find("the router or a same-uid client"), std::string::npos) << got;
+}
+
 // §1: a Select whose receiver takes nothing holds at most its lane's bound
 // (services/lanes.h: kDefaultLaneMaxMessages); past it every message is
 // refused with a dead reply that names the bound, and nothing more is held.
