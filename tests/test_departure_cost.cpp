@@ -42,14 +42,15 @@ class DepartureCost : public RouterFixture {
     for (std::size_t done = 0; done < n;) {
       const std::size_t window = std::min(kAllocationWindow, n - done);
       std::string batch;
+      // reply_to from 1000 up: 999 is IS_DEAD, and a dead request gets no answer.
       for (std::size_t k = 0; k < window; ++k)
-        batch += frame_bytes(frame(0, self, self, kHandleAllocateId, static_cast<std::uint32_t>(100 + k),
+        batch += frame_bytes(frame(0, self, self, kHandleAllocateId, static_cast<std::uint32_t>(1000 + k),
                                    kEncMitogen), "");
       peer.write_all(batch);
       batch.clear();
       for (std::size_t k = 0; k < window; ++k) {
         Message granted;
-        ASSERT_TRUE(peer.read_frame_for(self, static_cast<std::uint32_t>(100 + k), granted, 20s))
+        ASSERT_TRUE(peer.read_frame_for(self, static_cast<std::uint32_t>(1000 + k), granted, 20s))
             << "ALLOCATE_ID " << done + k << " got no answer";
         ASSERT_FALSE(granted.header.is_dead()) << granted.text();
         ids.push_back(static_cast<std::uint32_t>(std::stoul(granted.text())));
