@@ -300,6 +300,18 @@ void Stream::arm_stall_timer() {
     self->stall_armed_ = false;
     if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed || !self->stalled())
       return;
+    // Whoever writes to an untrusted peer over its mark is held until the
+    // queue is back under it (Router::over_mark). Draining it slowly moves
+    // bytes_out, but must not hold the others for good: a client that reads
+    // just enough to look alive while it keeps its queue full (its own calls'
+    // large answers refill it) would freeze every peer that answers it.
+    const auto held_for = std::chrono::steady_clock::now() - self->watch_since_;
+    if (self->opts_.untrusted && self->watch_mark_ && held_for >= self->opts_.stall_timeout)
+      return self->close(fmt::format(
+          "the peer's queue stayed over its high-water mark ({} bytes queued, mark {}) and held up "
+          "the peers writing to it for {} ms",
+          self->port_->gauge.queued(), self->port_->gauge.high_water_mark(),
+          std::chrono::duration_cast<std::chrono::milliseconds>(held_for).count()));
     if (self->stats_.bytes_out != self->stall_mark_) return self->arm_stall_timer();
     // Paused with nothing queued for the peer: what it is charged for is held
     // on this side (a received body the application keeps), which only a
@@ -353,6 +365,7 @@ void Stream::release_peer_hold() {
 
 void Stream::notify_below_mark() {
   if (state_ == StreamState::kClosed) return;
+  if (!watch_mark_) watch_since_ = std::chrono::steady_clock::now();
   watch_mark_ = true;
   // Already under it (written since the charge): say so now.
   note_below_mark();

@@ -321,7 +321,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool paused_ = false;           // reading stopped: the account is over its limit
   bool input_held_ = false;       // reading stopped by hold_input() until hold_timer_
   std::uint32_t peer_holds_ = 0;  // hold_for_peer() not yet released
-  bool watch_mark_ = false;       // notify_below_mark() asked
+  bool watch_mark_ = false;       // notify_below_mark() asked: a peer is held for this one
+  std::chrono::steady_clock::time_point watch_since_{};  // when watch_mark_ was last set
   bool input_stopped() const { return input_held_ || peer_holds_ > 0; }
   // Whether the peer may be read now: not held, and nothing ended reading
   // (closed, EOF, or a protocol error waiting for its flush).

@@ -10,8 +10,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -321,6 +323,46 @@ TEST_F(Hardening, AClientThatNeverReadsItsFullQueueIsDropped) {
   };
   EXPECT_TRUE(closed_by_router()) << "the router kept the non-reader's link";
   expect_served("a client that never reads");
+}
+
+// §1: a client that keeps its queue over the mark while reading just enough
+// to look alive held every peer writing to it for as long as it liked (the
+// stall timer re-armed whenever it took a byte). Now a peer is held up for
+// one stall timeout at a stretch at most: then the slow reader is dropped
+// and the writer is read again.
+TEST_F(Hardening, AClientThatDrainsSlowlyCannotHoldItsWritersForGood) {
+  start({"--high-water-mark", "1M", "--stall-timeout", "1s"});
+  RawPeer slow = raw_client();
+  const std::uint32_t slow_id = id_;
+  RawPeer writer = raw_client();
+  const std::uint32_t writer_id = id_;
+  // 16 MiB of one-way frames (they cannot be refused, so the writer is held
+  // while slow's queue is over its mark), then a probe that wants an answer.
+  std::string flood;
+  const std::string body(64 << 10, 'x');
+  for (int i = 0; i < 256; ++i) flood += frame_bytes(frame(slow_id, writer_id, writer_id, 4321, 0), body);
+  flood += frame_bytes(frame(0, writer_id, writer_id, 4000, 99), "probe");
+  std::thread flooder([&] { writer.write_all(flood); });
+  // 64 KiB every 200 ms: enough for the router to write a little each time
+  // (bytes_out moves), far too little to drain 16 MiB within the test.
+  std::atomic<bool> stop{false};
+  std::thread drainer([&] {
+    std::vector<char> buf(64 << 10);
+    while (!stop) {
+      std::this_thread::sleep_for(200ms);
+      ssize_t n = ::recv(slow.fd, buf.data(), buf.size(), MSG_DONTWAIT);
+      if (n == 0) return;
+    }
+  });
+  Message answer;
+  const bool answered = writer.read_frame_for(writer_id, 99, answer, 20s);
+  stop = true;
+  drainer.join();
+  flooder.join();
+  ASSERT_TRUE(answered) << "the writer stayed held behind a slow reader\n" << router_->log();
+  EXPECT_TRUE(answer.is_dead());
+  EXPECT_TRUE(logged("held up the peers writing to it")) << router_->log();
+  expect_served("a slow reader holding its writers");
 }
 
 // §2: bytes a client supplies never start a log line of their own.
