@@ -209,6 +209,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::size_t client_count() const { return clients_.load(std::memory_order_relaxed); }
   // Any thread except the broker's after it stopped: a snapshot of the clients.
   std::vector<ClientStats> client_stats();
+  // Any thread: both contexts are routed, through the same link (the context
+  // `id` lives behind the link that reaches `via`, or is `via`'s own).
+  bool routed_through(std::uint32_t id, std::uint32_t via);
 
   // StreamListener (broker thread)
   void on_stream_open(Stream& s) override;

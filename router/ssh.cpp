@@ -305,7 +305,17 @@ Context ssh_child(Router& parent, const std::string& host, const SshOptions& opt
     // The hop's ssh runs there; its context is routed through `via`.
     auto [id, name] = opts.via.with_timeout(opts.connect_timeout + std::chrono::seconds(5))
                           .call<std::tuple<long, std::string>>("spindle.ssh", host, encode_hop_options(opts));
-    return Context(parent, static_cast<std::uint32_t>(id), name);
+    // The hop says which context it started; it may be compromised. The
+    // hop's ADD_ROUTE for that context came on its link before this answer
+    // did, so a context it really started is routed through it: any other
+    // id (a local child, the hop's parent) would send this process's calls
+    // for the remote host somewhere else.
+    const auto child = static_cast<std::uint32_t>(id);
+    if (id <= 0 || id > static_cast<long>(UINT32_MAX) || child == opts.via.id() ||
+        !parent.routed_through(child, opts.via.id()))
+      throw Error(fmt::format("ssh: the hop {} answered context {}, which is not routed through it",
+                              opts.via.id(), id));
+    return Context(parent, child, name);
   }
   const auto deadline = Clock::now() + opts.connect_timeout;
   auto agent = AgentImage::load(find_agent(opts));

@@ -417,6 +417,39 @@ TEST_F(Ssh, TwoHops) {
       << "this process should run one ssh only (the first hop's)";
 }
 
+// A hop may be compromised: the context it says it started must be routed
+// through it. A stand-in hop (a local child serving spindle.ssh, no sshd
+// needed) that answers another child's id, or its own, is refused: calls
+// meant for the remote host would go to that context instead.
+inline constexpr spindle::method<std::tuple<long, std::string>(std::string, std::vector<std::string>)>
+    hop_ssh{"spindle.ssh"};
+
+TEST(SshHop, AContextTheHopDidNotStartBehindItIsRefused) {
+  spindle::Runtime rt;
+  spindle::Child other = rt.fork_child([](spindle::ChildEnv& env) { return env.serve(); }, {.name = "other"});
+  for (long claimed : {static_cast<long>(other.id()), -1L, 0L}) {
+    spindle::Child liar = rt.fork_child(
+        [claimed](spindle::ChildEnv& env) {
+          env.expose(hop_ssh, [claimed, &env](std::string, std::vector<std::string>) {
+            return std::tuple<long, std::string>(claimed == -1 ? static_cast<long>(env.id()) : claimed, "evil");
+          });
+          return env.serve();
+        },
+        {.name = "liar"});
+    spindle::SshOptions o;
+    o.via = liar;
+    o.connect_timeout = 10s;
+    try {
+      spindle::Child c = rt.ssh("example.invalid", o);
+      ADD_FAILURE() << "a hop's answer naming context " << c.id() << " was taken";
+    } catch (const spindle::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("which is not routed through it"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(liar.stop(), 0);
+  }
+  EXPECT_EQ(other.stop(), 0);
+}
+
 // The agent forks a child of its own on its host: a context routed through
 // it, whose process is the agent's child and serves the same names.
 TEST_F(Ssh, TheAgentForksALocalChildThatServesTheSameNames) {
