@@ -200,8 +200,8 @@ def test_a_closed_receiver(router):
             replies.get(timeout=BOUND)
 
 
-def test_close_wakes_a_waiting_thread(router):
-    rx = router.receiver()
+def waiting_in_get(rx):
+    """A started thread waiting in rx.get(), and the list its ChannelError goes to."""
     errors = []
 
     def wait():
@@ -212,6 +212,12 @@ def test_close_wakes_a_waiting_thread(router):
 
     t = threading.Thread(target=wait)
     t.start()
+    return t, errors
+
+
+def test_close_wakes_a_waiting_thread(router):
+    rx = router.receiver()
+    t, errors = waiting_in_get(rx)
     # Closing before the thread waits is the same for it: get() then sees a
     # closed receiver at once.
     rx.close()
@@ -224,16 +230,7 @@ def test_a_receiver_moved_into_a_select_while_a_thread_waits_on_it(router):
     # receiver, which Select() let go: it read freed memory (a crash).
     for _ in range(5):
         rx = router.receiver()
-        errors = []
-
-        def wait():
-            try:
-                rx.get(timeout=BOUND)
-            except spindle.ChannelError as e:
-                errors.append(e)
-
-        t = threading.Thread(target=wait)
-        t.start()
+        t, errors = waiting_in_get(rx)
         while sys._current_frames().get(t.ident) is None or \
                 sys._current_frames()[t.ident].f_code.co_name != "get":
             time.sleep(0.001)
