@@ -8,7 +8,18 @@
 
 #include <fmt/format.h>
 
+#include "stream/fd_frame.h"
+
 namespace spindle {
+
+namespace {
+// An SF frame carries its 8-byte fd prefix in front of a body that may itself
+// be the largest allowed: the sender checks the body, not the frame (a body
+// within 8 bytes of the maximum, sent inline with fds, closed the link).
+bool within_max(const Header& h, std::uint64_t max) {
+  return h.length <= max + (h.enc == kEncFds ? kFdPrefixSize : 0);
+}
+}  // namespace
 
 // While a direct body is incomplete, bytes go into it; once it is full (and
 // until next() hands it out) further bytes queue up in rx_ behind it.
@@ -40,7 +51,7 @@ void FrameParser::feed(std::span<const std::uint8_t> bytes) {
     // between reads; next() reports the bytes this consumed.
     if (in_body_ || rx_.readable() < kHeaderSize) continue;
     Header h = peek_header();
-    if (is_known_enc(h.enc) && h.length <= max_message_size_ && wants_direct_body(h))
+    if (is_known_enc(h.enc) && within_max(h, max_message_size_) && wants_direct_body(h))
       unreported_consumed_ += begin_direct_body(h);
   }
 }
@@ -146,7 +157,7 @@ ParseResult FrameParser::next_frame(InFrame& out) {
     return r;
   }
   r.header_valid = true;
-  if (h.length > max_message_size_) {
+  if (!within_max(h, max_message_size_)) {
     r.status = ParseStatus::kInvalid;
     r.error = fmt::format("message too large: {} bytes exceeds the maximum of {}", h.length,
                           max_message_size_);

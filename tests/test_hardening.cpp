@@ -159,6 +159,33 @@ TEST_F(Hardening, AnFdFrameRefusedOnArrivalIsNotAnsweredToTheSenderItClaims) {
   expect_served("a forged fd frame");
 }
 
+// §13: an inline body of exactly the maximum size may travel with fds; its
+// SF frame is 8 bytes longer (the fd prefix). The router took that frame for
+// one over the maximum and closed the link with a protocol error.
+TEST_F(Hardening, AnInlineBodyOfTheMaximumSizeTravelsWithFds) {
+  start({"--max-message-size", "64K"});
+  RawPeer p = raw_client(kFlagFdPassing);
+  const std::uint32_t p_id = id_;
+  Header h = frame(0, p_id, p_id, 4000, 81, kEncFds);
+  h.length = kFdPrefixSize + (64 << 10);
+  HeaderBytes hb = encode_header(h);
+  auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, 1, 0});
+  std::vector<std::uint8_t> bytes(hb.begin(), hb.end());
+  bytes.insert(bytes.end(), prefix.begin(), prefix.end());
+  bytes.resize(bytes.size() + (64 << 10), 0x5a);
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+  UniqueFd rd(pipe_fds[0]), wr(pipe_fds[1]);
+  int fd = rd.get();
+  ASSERT_TRUE(send_with_fds(p.fd, bytes, std::span<const int>(&fd, 1)));
+  Message d;
+  ASSERT_TRUE(p.read_frame_for(p_id, 81, d, 20s)) << "the link closed\n" << router_->log();
+  EXPECT_TRUE(d.is_dead());
+  EXPECT_EQ(d.text().find("too large"), std::string::npos) << d.text();
+  EXPECT_EQ(router_->log().find("message too large"), std::string::npos) << router_->log();
+  expect_served("a body of the maximum size with fds");
+}
+
 // §1: a memfd body for the router itself is mapped only once its handler is
 // known: sparse 100 MiB bodies to an unknown handle and to ping cost the router
 // no memory (before the fix each was mapped with MAP_POPULATE first).
