@@ -93,6 +93,9 @@ class FabricBuffer {
 // argument; deeper is a reference cycle or an attack, and the recursion
 // must stay within the C stack.
 inline constexpr int kMaxDepth = 512;
+// The longest wait a timeout converts to (ten years): float('inf') and
+// anything longer mean "wait", and must not overflow the clocks' arithmetic.
+inline constexpr double kMaxWaitSeconds = 10.0 * 365 * 24 * 3600;
 
 // A Payload as a Python object (_spindle.Payload): what pack() returns and
 // the calls take and give, so a large value is never turned into bytes.

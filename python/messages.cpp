@@ -146,7 +146,7 @@ py::tuple message_tuple(std::uint64_t serial, Message& m) {
 // once the core is closed. Waits in slices so that Ctrl-C is seen.
 py::object select_get(const std::shared_ptr<SelectCore>& core, double seconds) {
   using Clock = std::chrono::steady_clock;
-  const bool forever = seconds < 0;
+  const bool forever = seconds < 0 || seconds >= kMaxWaitSeconds;  // float('inf') too
   const auto deadline = forever ? Clock::time_point::max()
                                 : Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                      std::chrono::duration<double>(seconds));

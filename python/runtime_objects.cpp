@@ -17,6 +17,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -33,6 +34,9 @@ namespace {
 
 std::chrono::milliseconds to_ms(double seconds) {
   if (!(seconds > 0)) throw py::value_error("spindle: a timeout must be a positive number of seconds");
+  // float('inf'), or any wait longer than ten years, is a wait of ten years:
+  // converted as it is, it overflowed (undefined: the call timed out at once).
+  seconds = std::min(seconds, kMaxWaitSeconds);
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
 }
 

@@ -204,3 +204,13 @@ def test_child_main_exit_status(router):
     assert os.waitstatus_to_exitcode(c.stop()) == 7
     s = router.spawn(main="pyfuncs:exit_main")
     assert os.waitstatus_to_exitcode(s.stop()) == 7
+
+
+def test_an_infinite_timeout_means_wait(router, child):
+    # float('inf') overflowed the conversion to milliseconds (undefined
+    # behaviour: the call timed out at once).
+    assert child.with_timeout(float("inf")).call(pyfuncs.square, 7) == 49
+    assert child.with_timeout(float("inf")).call_async(pyfuncs.square, 8).result(timeout=30) == 64
+    with router.receiver() as rx:
+        router.context(router.id).send(rx.handle, "here")
+        assert rx.get(timeout=float("inf")).data == "here"
