@@ -18,11 +18,13 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -345,21 +347,57 @@ struct PyConnection {
 
 }  // namespace
 
+namespace {
+
+// References dropped without the GIL wait here for the interpreter. One
+// pending call drains them all: the interpreter's own queue holds 32 calls,
+// and each drop taking a slot of its own leaked every reference past the 32nd
+// dropped while the main thread waited (worker threads sending arrays while
+// it sat in concurrent.futures.wait(): each array leaked whole). A lock-free
+// stack: a drop may happen on any thread, and in a child forked while another
+// thread was dropping, no lock is left held.
+struct DeferredDecref {
+  PyObject* object;
+  DeferredDecref* next;
+};
+std::atomic<DeferredDecref*> g_deferred{nullptr};
+std::atomic<bool> g_drain_scheduled{false};
+
+void drain_deferred_decrefs() {
+  DeferredDecref* d = g_deferred.exchange(nullptr, std::memory_order_acquire);
+  while (d) {
+    Py_DECREF(d->object);
+    delete std::exchange(d, d->next);
+  }
+}
+
+int drain_pending(void*) {
+  g_drain_scheduled.store(false, std::memory_order_release);
+  drain_deferred_decrefs();
+  return 0;
+}
+
+}  // namespace
+
 PyRef::~PyRef() {
   if (!p_ || !Py_IsInitialized()) return;  // at exit: the interpreter is gone, leak it
   if (PyGILState_Check()) {
     Py_DECREF(p_);
+    // Holding the GIL anyway: drop what waits, in case the interpreter's
+    // queue was full when the drain was asked for.
+    if (g_deferred.load(std::memory_order_relaxed)) drain_deferred_decrefs();
     return;
   }
   // Another thread (the broker's, if the router drops a handler there) must
-  // not wait for the GIL: the interpreter drops it at its next chance. If
-  // its queue is full, the reference leaks, which costs one object.
-  (void)Py_AddPendingCall(
-      [](void* p) -> int {
-        Py_DECREF(static_cast<PyObject*>(p));
-        return 0;
-      },
-      p_);
+  // not wait for the GIL: the reference waits for the interpreter's next
+  // chance to run a pending call (at most one is asked for at a time).
+  auto* d = new DeferredDecref{p_, g_deferred.load(std::memory_order_relaxed)};
+  while (!g_deferred.compare_exchange_weak(d->next, d, std::memory_order_release,
+                                           std::memory_order_relaxed)) {
+  }
+  if (!g_drain_scheduled.exchange(true, std::memory_order_acq_rel) &&
+      Py_AddPendingCall(drain_pending, nullptr) != 0)
+    g_drain_scheduled.store(false, std::memory_order_release);  // full: the next drop asks again
 }
 
 void bind_runtime_objects(py::module_& m) {
@@ -469,6 +507,16 @@ void bind_runtime_objects(py::module_& m) {
             std::move(opts));
       },
       py::arg("main"), py::arg("max_message_size") = kDefaultMaxMessageSize);
+
+  // For the tests: drops a reference to each object on a thread without the
+  // GIL, as the broker thread drops a sent buffer or a handler, while this
+  // thread waits without running Python (as a main thread in a wait does).
+  m.def("_release_on_another_thread", [](const py::list& objects) {
+    std::vector<std::unique_ptr<PyRef>> refs;
+    for (py::handle o : objects) refs.push_back(std::make_unique<PyRef>(o));
+    py::gil_scoped_release nogil;
+    std::thread([r = std::move(refs)]() mutable { r.clear(); }).join();
+  });
 }
 
 }  // namespace spindle::python

@@ -159,3 +159,27 @@ def test_a_sent_buffer_is_the_message_itself(router, child):
     theirs = child.call(kept_mapping)
     assert (mine["dev"], mine["inode"]) == (theirs["dev"], theirs["inode"]), \
         "the receiver maps the memfd the child filled: no copy on the way"
+
+
+def test_references_dropped_without_the_gil_are_all_released():
+    """The broker thread lets go of a sent buffer (or a handler) without the
+    GIL; the interpreter drops the reference later, on its main thread. Each
+    used to take a slot of the interpreter's pending-call queue, which holds
+    32: while the main thread waited, every reference past the 32nd leaked
+    (a whole array, for a buffer sent to a peer that cannot take fds)."""
+    import gc
+    import time
+    import weakref
+
+    class Held:
+        pass
+
+    objects = [Held() for _ in range(200)]
+    refs = [weakref.ref(o) for o in objects]
+    _spindle._release_on_another_thread(objects)
+    del objects  # only the dropped references were left
+    deadline = time.monotonic() + 10
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)  # bytecode runs, and the interpreter's pending calls with it
+    assert sum(r() is not None for r in refs) == 0
