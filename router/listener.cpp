@@ -322,7 +322,10 @@ void Listener::admit(int fd) {
       full ? fmt::format("router full: {} clients connected (max-clients {})", n, opts_.max_clients)
            : std::string();
   auto hs = std::make_unique<ListenerHandshake>(
-      router_.id(), static_cast<std::uint32_t>(::getpid()), router_.options().max_message_size,
+      router_.id(), static_cast<std::uint32_t>(::getpid()),
+      // What the client's stream will read (an untrusted peer's limit).
+      untrusted_receive_limit(router_.options().max_message_size,
+                              router_.options().peer_memory_limit, router_.options().memory_limit),
       [router, full_reason](const PeerInfo&) -> ServerHandshake::Assignment {
         if (!full_reason.empty()) return full_reason;
         // Out of ids: the client is refused with the reason, not left

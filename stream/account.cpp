@@ -84,6 +84,12 @@ bool Account::try_charge_within(std::size_t n) {
   return true;
 }
 
+bool Account::reserve(std::size_t n) {
+  was_over_.store(true, std::memory_order_release);
+  if (budget_) budget_->was_over_.store(true, std::memory_order_release);
+  return try_charge_within(n);
+}
+
 void Account::release(std::size_t n) {
   if (n == 0) return;
   std::size_t now = held_.fetch_sub(n, std::memory_order_relaxed) - n;

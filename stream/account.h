@@ -30,6 +30,11 @@
 
 namespace spindle {
 
+// How what a peer sends (a large body, a memfd body) is charged to its Account.
+enum class PeerCharge {
+  kAlways,        // a trusted peer: charged even over the limit (back-pressure follows)
+  kWithinLimits,  // an untrusted one: only if it fits its own and the global limit
+};
 
 // What all the peers of one router may make it hold together.
 class MemoryBudget {
@@ -81,6 +86,12 @@ class Account {
   // over its limit; no exception for an empty account (an untrusted peer's
   // memfd body: one frame that could otherwise charge up to 4 GiB at once).
   bool try_charge_within(std::size_t n);
+  // try_charge_within(), and when it fails, the relief callbacks (this
+  // account's and the budget's) run at the next release of either, so that
+  // whoever waits for the room may ask again. The wish is made before the
+  // attempt: a release in between is not missed (at worst one relief runs
+  // for nothing).
+  bool reserve(std::size_t n);
   void release(std::size_t n);
 
   std::size_t held() const { return held_.load(std::memory_order_relaxed); }

@@ -86,7 +86,7 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::copy_of(const Payload& bytes) {
 
 std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& error,
                                                       std::shared_ptr<Account> account,
-                                                      MemfdCharge how) {
+                                                      PeerCharge how) {
   int seals = ::fcntl(fd.get(), F_GET_SEALS);
   if (seals < 0) {
     error = fmt::format("not a memfd (F_GET_SEALS: {})", errno_text(errno));
@@ -104,7 +104,7 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& 
   }
   const auto size = static_cast<std::size_t>(st.st_size);
   if (account) {
-    if (how == MemfdCharge::kAlways) {
+    if (how == PeerCharge::kAlways) {
       account->charge(size);
     } else if (!account->try_charge_within(size)) {
       const auto& b = account->budget();

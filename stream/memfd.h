@@ -23,6 +23,7 @@
 #include <string>
 
 #include "spindle/fds.h"
+#include "stream/account.h"
 #include "stream/payload.h"
 
 namespace spindle {
@@ -31,12 +32,6 @@ namespace spindle {
 inline constexpr std::size_t kDefaultMemfdThreshold = 1u << 20;
 // What a memfd must carry before it may leave the process or be accepted.
 inline constexpr int kRequiredSeals = 0x0002 | 0x0004 | 0x0008;  // SHRINK | GROW | WRITE
-
-// How a received memfd body is charged to its sender's Account.
-enum class MemfdCharge {
-  kAlways,        // in hand: charged even over the limit (back-pressure follows)
-  kWithinLimits,  // refused unless it fits the sender's and the global limit
-};
 
 class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
  public:
@@ -51,7 +46,7 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   // refused the same way (an untrusted peer; see StreamOptions::untrusted).
   static std::shared_ptr<const SealedMemfd> adopt(UniqueFd fd, std::string& error,
                                                    std::shared_ptr<Account> account = nullptr,
-                                                   MemfdCharge how = MemfdCharge::kAlways);
+                                                   PeerCharge how = PeerCharge::kAlways);
 
   int fd() const { return fd_.get(); }
   std::size_t size() const { return size_; }

@@ -51,7 +51,8 @@ void FrameParser::feed(std::span<const std::uint8_t> bytes) {
     // between reads; next() reports the bytes this consumed.
     if (in_body_ || rx_.readable() < kHeaderSize) continue;
     Header h = peek_header();
-    if (is_known_enc(h.enc) && within_max(h, max_message_size_) && wants_direct_body(h))
+    if (is_known_enc(h.enc) && within_max(h, max_message_size_) && wants_direct_body(h) &&
+        reserve_body(h))
       unreported_consumed_ += begin_direct_body(h);
   }
 }
@@ -67,17 +68,28 @@ bool FrameParser::wants_direct_body(const Header& h) const {
   return h.length >= kDirectBodyThreshold && rx_.readable() - kHeaderSize < h.length;
 }
 
+// Charges the whole body before its buffer exists. An untrusted peer's body
+// must fit its allowance (its own limit and the global one) now; charged
+// regardless, a header alone would make the router hold (or promise) up to
+// the maximum message size, and every client could send one.
+bool FrameParser::reserve_body(const Header& h) {
+  if (!account_) return true;
+  if (charge_ == PeerCharge::kAlways) {
+    account_->charge(h.length);
+    return true;
+  }
+  return account_->reserve(h.length);
+}
+
 // Consumes the (validated) header and the body bytes buffered so far into one
-// buffer of the body's exact size, charged to the peer; later reads land
-// there directly. Returns the bytes consumed.
+// buffer of the body's exact size, charged to the peer (reserve_body); later
+// reads land there directly. Returns the bytes consumed.
 std::size_t FrameParser::begin_direct_body(const Header& h) {
   std::size_t body_buffered = rx_.readable() - kHeaderSize;
   rx_.drop(kHeaderSize);
   body_ = std::make_shared<Chunk>(h.length);
-  if (account_) {
-    account_->charge(h.length);
-    body_->charge_to(Charge(account_, h.length));
-  }
+  if (account_) body_->charge_to(Charge(account_, h.length));
+  ++bodies_begun_;
   body_filled_ = body_reported_ = body_buffered;
   rx_.read_into(body_->data(), body_buffered);
   pending_ = h;
@@ -174,7 +186,10 @@ ParseResult FrameParser::next_frame(InFrame& out) {
     return r;
   }
   // Large body: one buffer of its exact size, read into directly. kNeedMore.
-  if (wants_direct_body(h)) r.consumed = begin_direct_body(h);
+  if (wants_direct_body(h)) {
+    if (reserve_body(h)) r.consumed = begin_direct_body(h);
+    else r.memory_wait = true;
+  }
   return r;
 }
 

@@ -17,6 +17,12 @@
 // peer's account, and reads go straight into it: a 1 GiB message costs 1 GiB,
 // not 2, and a partial one no more than what has arrived.
 //
+// The whole body is charged before its buffer is made. A trusted peer is
+// charged however much it holds (back-pressure follows). An untrusted one
+// (PeerCharge::kWithinLimits) must fit its allowance: when the body does not
+// fit yet, next() consumes nothing and says so (ParseResult::memory_wait);
+// the stream stops reading until a release, and asks again.
+//
 // Thread safety: owned by one Stream; broker thread only.
 #pragma once
 
@@ -27,6 +33,7 @@
 #include <string>
 
 #include "spindle/message.h"
+#include "stream/account.h"
 #include "stream/rx_buffer.h"
 
 namespace spindle {
@@ -43,6 +50,10 @@ struct ParseResult {
   std::string error;         // set when kInvalid
   Header header;             // the offending header when kInvalid (if decoded)
   bool header_valid = false;
+  // kNeedMore only: a large body's header is in, and its size does not fit
+  // the peer's allowance now (PeerCharge::kWithinLimits). Nothing was
+  // consumed; the account calls its relief at its next release.
+  bool memory_wait = false;
 };
 
 class FrameParser;
@@ -96,12 +107,21 @@ class FrameParser {
   // A frame's body is being received and is not complete yet.
   bool body_wants_bytes() const;
   // Large bodies are charged here as they are allocated (may be null).
-  void set_account(std::shared_ptr<Account> a) { account_ = std::move(a); }
+  void set_account(std::shared_ptr<Account> a, PeerCharge how = PeerCharge::kAlways) {
+    account_ = std::move(a);
+    charge_ = how;
+  }
+  // Large bodies begun so far: tells one body under way from the next.
+  std::uint64_t bodies_begun() const { return bodies_begun_; }
+  // The body under way (body_wants_bytes()): its size and what has arrived.
+  std::size_t body_size() const { return pending_.length; }
+  std::size_t body_filled() const { return body_filled_; }
 
  private:
   friend class InFrame;
   Header peek_header() const;  // needs rx_.readable() >= kHeaderSize
   bool wants_direct_body(const Header& h) const;
+  bool reserve_body(const Header& h);
   std::size_t begin_direct_body(const Header& h);
   ParseResult next_frame(InFrame& out);
   void finish_pending();  // drops the frame handed out last, unless taken
@@ -110,6 +130,8 @@ class FrameParser {
   RxBuffer& rx_;
   std::uint32_t max_message_size_;
   std::shared_ptr<Account> account_;
+  PeerCharge charge_ = PeerCharge::kAlways;
+  std::uint64_t bodies_begun_ = 0;
   // Direct-body state: a header has been consumed and its body is being read
   // into body_ (body_filled_ of pending_.length bytes so far).
   bool in_body_ = false;

@@ -11,7 +11,8 @@
 // or with frames left, the next turn is posted; after another short read the
 // stream waits for readability. Before each
 // read the peer's account is checked: over its limit, the stream stops
-// reading until a release brings it back under (Account::on_relief).
+// reading until a release brings it back under (Account::on_relief; the
+// limits and holds are in stream_limits.cpp).
 // A listener may throw through a turn (a handler's policy does; the broker
 // loop logs it): the batch still ends (its corked output is flushed), the
 // frame that threw is consumed, and the next turn is queued before the
@@ -28,7 +29,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <system_error>
@@ -148,6 +151,7 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
       handshake_timer_(broker.io()),
       stall_timer_(broker.io()),
       hold_timer_(broker.io()),
+      body_timer_(broker.io()),
       resumer_(std::make_shared<ReadResumer>()) {
   set_nonblocking(read_fd);
   if (write_fd != read_fd) set_nonblocking(write_fd);
@@ -258,123 +262,11 @@ void Stream::start() {
     flush();
   } else {
     state_ = StreamState::kOpen;
-    parser_.emplace(rx_, opts_.max_message_size);
-    parser_->set_account(account_);
+    make_parser();
     if (port_->is_socket) port_->gate.allow_direct();
     flush();
   }
   arm_read();
-}
-
-// Over the memory limit: stop reading. A stall timer disconnects a peer that
-// stays over while its own output makes no progress (it neither reads what we
-// hold for it nor lets us drop anything).
-//
-// A frame whose body is being read into a buffer of its own is finished
-// first, even over the limit: its whole size was charged when the buffer was
-// made, and only completing it (and dispatching it) can release that charge.
-// Pausing there would wait forever for a release that needs this very read.
-bool Stream::over_limit() {
-  if (!account_->over() || (parser_ && parser_->body_wants_bytes())) return false;
-  if (!paused_) {
-    paused_ = true;
-    ++stats_.read_pauses;
-    log().debug("stream={} reading paused: the peer holds {} bytes (limit {})", name(),
-                account_->held(), account_->limit());
-    arm_stall_timer();
-  }
-  return true;
-}
-
-bool Stream::stalled() const {
-  if (paused_) return true;
-  return opts_.untrusted && port_->gauge.queued() > port_->gauge.high_water_mark();
-}
-
-void Stream::arm_stall_timer() {
-  if (opts_.stall_timeout.count() <= 0 || stall_armed_) return;
-  stall_armed_ = true;
-  stall_mark_ = stats_.bytes_out;
-  stall_timer_.expires_after(opts_.stall_timeout);
-  stall_timer_.async_wait([self = shared_from_this()](const std::error_code& ec) {
-    self->stall_armed_ = false;
-    if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed || !self->stalled())
-      return;
-    // Whoever writes to an untrusted peer over its mark is held until the
-    // queue is back under it (Router::over_mark). Draining it slowly moves
-    // bytes_out, but must not hold the others for good: a client that reads
-    // just enough to look alive while it keeps its queue full (its own calls'
-    // large answers refill it) would freeze every peer that answers it.
-    const auto held_for = std::chrono::steady_clock::now() - self->watch_since_;
-    if (self->opts_.untrusted && self->watch_mark_ && held_for >= self->opts_.stall_timeout)
-      return self->close(fmt::format(
-          "the peer's queue stayed over its high-water mark ({} bytes queued, mark {}) and held up "
-          "the peers writing to it for {} ms",
-          self->port_->gauge.queued(), self->port_->gauge.high_water_mark(),
-          std::chrono::duration_cast<std::chrono::milliseconds>(held_for).count()));
-    if (self->stats_.bytes_out != self->stall_mark_) return self->arm_stall_timer();
-    // Paused with nothing queued for the peer: what it is charged for is held
-    // on this side (a received body the application keeps), which only a
-    // release here can end. The peer is not failing to read; it stays paused.
-    if (self->paused_ && self->port_->gauge.queued() == 0) return self->arm_stall_timer();
-    if (self->paused_)
-      return self->close(fmt::format("the peer stayed over its memory limit ({} bytes held, limit {}) "
-                                     "for {} ms without reading",
-                                     self->account_->held(), self->account_->limit(),
-                                     self->opts_.stall_timeout.count()));
-    self->close(fmt::format("the peer took nothing of the {} bytes queued for it (high-water mark {}) "
-                            "for {} ms",
-                            self->port_->gauge.queued(), self->port_->gauge.high_water_mark(),
-                            self->opts_.stall_timeout.count()));
-  });
-}
-
-void Stream::resume_reading() {
-  if (!paused_ || state_ == StreamState::kClosed) return;
-  if (account_->over()) return;  // another release will bring us back
-  paused_ = false;
-  stall_timer_.cancel();
-  log().debug("stream={} reading resumed", name());
-  arm_read();
-}
-
-void Stream::hold_input(std::chrono::milliseconds d) {
-  if (input_held_ || state_ == StreamState::kClosed) return;
-  input_held_ = true;
-  hold_timer_.expires_after(d);
-  hold_timer_.async_wait([self = shared_from_this()](const std::error_code& ec) {
-    if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed) return;
-    self->input_held_ = false;
-    // Frames may be left from the batch the hold cut short: they go first.
-    self->input_left_ = true;
-    self->queue_input_turn();
-  });
-}
-
-void Stream::hold_for_peer() {
-  if (state_ == StreamState::kClosed) return;
-  if (peer_holds_++ == 0) ++stats_.peer_holds;
-}
-
-void Stream::release_peer_hold() {
-  if (peer_holds_ == 0 || --peer_holds_ > 0 || state_ == StreamState::kClosed) return;
-  // Frames may be left from the batch the hold cut short: they go first.
-  input_left_ = true;
-  queue_input_turn();
-}
-
-void Stream::notify_below_mark() {
-  if (state_ == StreamState::kClosed) return;
-  if (!watch_mark_) watch_since_ = std::chrono::steady_clock::now();
-  watch_mark_ = true;
-  // Already under it (written since the charge): say so now.
-  note_below_mark();
-}
-
-void Stream::note_below_mark() {
-  if (!watch_mark_ || port_->gauge.queued() >= port_->gauge.high_water_mark()) return;
-  watch_mark_ = false;
-  listener_->on_stream_below_mark(*this);
 }
 
 // Waits for readability, then reads. async_wait costs an epoll_ctl(MOD), so
@@ -520,23 +412,23 @@ bool Stream::run_handshake() {
   std::vector<std::uint8_t> reply;
   HandshakeResult r = handshake_->consume(rx_, reply);
   if (!reply.empty()) queue_raw(reply);
-  if (r.status == HandshakeStatus::kNeedMore) return true;
-  if (r.status == HandshakeStatus::kInvalid) {
-    log().warn("stream={} handshake failed: {}", name(), r.error);
-    close_reason_ = "handshake failed: " + r.error;
-    close_after_flush_ = true;
-    flush();
-    if (state_ != StreamState::kClosed && tx_.empty()) close(close_reason_);
-    return false;
+  if (r.status == HandshakeStatus::kNeedMore) {
+    // Every byte received so far belongs to the handshake, and fds arrive
+    // with the first byte of their send: these came with it, which no peer
+    // does (a frame with fds may follow its hello at once, never ride in
+    // it). Held until the handshake ended, they would let a client that
+    // never finishes its hello pin hundreds of this process's fds.
+    if (!rx_fds_.empty()) return fail_handshake("fds arrived before the handshake completed");
+    return true;
   }
+  if (r.status == HandshakeStatus::kInvalid) return fail_handshake(r.error);
   peer_ = handshake_->peer();
   port_->peer_takes_fds.store(peer_takes_fds(), std::memory_order_release);
   port_->max_message_size.store(max_message_size(), std::memory_order_release);
   handshake_.reset();
   handshake_timer_.cancel();
   state_ = drain_started_here_ ? StreamState::kDraining : StreamState::kOpen;
-  parser_.emplace(rx_, opts_.max_message_size);
-  parser_->set_account(account_);
+  make_parser();
   // Framed only now: whether fds may go depends on what the peer announced.
   std::deque<HeldMessage> held;
   held.swap(held_);
@@ -546,6 +438,16 @@ bool Stream::run_handshake() {
   flush();
   listener_->on_stream_open(*this);
   return state_ != StreamState::kClosed;
+}
+
+bool Stream::fail_handshake(const std::string& error) {
+  log().warn("stream={} handshake failed: {}", name(), error);
+  rx_fds_.clear();
+  close_reason_ = "handshake failed: " + error;
+  close_after_flush_ = true;
+  flush();
+  if (state_ != StreamState::kClosed && tx_.empty()) close(close_reason_);
+  return false;
 }
 
 bool Stream::process_input() {
@@ -569,6 +471,8 @@ bool Stream::process_input() {
     if (budget-- == 0) return true;
     ParseResult r = parser_->next(f);
     if (r.status == ParseStatus::kNeedMore) {
+      if (r.memory_wait) wait_for_memory(r.header.length);
+      watch_body();
       if (orphan_fds()) {
         ParseResult bad;
         bad.status = ParseStatus::kInvalid;
@@ -625,6 +529,7 @@ void Stream::close(const std::string& reason) {
   handshake_timer_.cancel();
   stall_timer_.cancel();
   hold_timer_.cancel();
+  body_timer_.cancel();
   std::error_code ignored;
   rd_.cancel(ignored);
   if (wr_) wr_->cancel(ignored);

@@ -135,6 +135,12 @@ struct StreamOptions {
   //   dead reply: one frame could otherwise charge it (and the router) up to
   //   the maximum message size at once. A trusted link may send one body
   //   larger than its limit, as any message (Account::try_charge).
+  //   An untrusted peer's inline body obeys the same allowance: a frame it
+  //   sends may be no larger than its allowance (untrusted_receive_limit; the
+  //   listener announces it), a large body is read only once its whole size
+  //   fits (reading pauses until it does), and a body once begun must arrive
+  //   at kMinBodyRate or faster, or the peer is disconnected: its charge is
+  //   held only as long as an honest sender takes.
   bool untrusted = false;
   // Once a goodbye is flushed, close without waiting for the peer's EOF. For
   // a pipe link whose peer sees our EOF only when we exit: an agent behind
@@ -144,6 +150,13 @@ struct StreamOptions {
   // no reset to lose written bytes: what was flushed is still delivered.
   bool close_when_drained = false;
 };
+
+// The largest frame an untrusted peer may send: what it may make us hold.
+std::uint32_t untrusted_receive_limit(std::uint32_t max_message_size, std::size_t peer_limit,
+                                      std::size_t global_limit);
+// How fast an untrusted peer must send a large body it has begun (after a
+// grace of one stall_timeout): an honest local sender writes hundreds of MB/s.
+inline constexpr std::size_t kMinBodyRate = 4u << 20;  // bytes per second
 
 struct StreamStats {
   std::uint64_t bytes_in = 0, bytes_out = 0;
@@ -264,6 +277,10 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void queue_input_turn();
   void input_turn();
   bool over_limit();
+  void make_parser();
+  bool fail_handshake(const std::string& error);  // returns false
+  void wait_for_memory(std::size_t body_size);
+  void watch_body();  // untrusted: times the large body under way
  public:
   void resume_reading();  // via ReadResumer, on the broker thread
  private:
@@ -311,6 +328,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
   asio::steady_timer handshake_timer_;
   asio::steady_timer stall_timer_;
   asio::steady_timer hold_timer_;  // hold_input(): reading resumes when it fires
+  asio::steady_timer body_timer_;  // watch_body(): the body under way is late
+  std::uint64_t body_watched_ = 0;  // parser_->bodies_begun() when body_timer_ was set
   std::uint64_t stall_mark_ = 0;  // bytes_out when the stall timer was armed
   bool stall_armed_ = false;
   std::shared_ptr<ReadResumer> resumer_;
@@ -319,6 +338,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool input_left_ = false;       // parsed frames remain for the next turn
   bool last_read_filled_ = false;  // more is likely waiting in the socket
   bool paused_ = false;           // reading stopped: the account is over its limit
+  bool memory_wait_ = false;      // paused: a large body's header waits for room
   bool input_held_ = false;       // reading stopped by hold_input() until hold_timer_
   std::uint32_t peer_holds_ = 0;  // hold_for_peer() not yet released
   bool watch_mark_ = false;       // notify_below_mark() asked: a peer is held for this one

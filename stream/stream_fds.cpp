@@ -129,7 +129,7 @@ bool Stream::bind_fds(Message& m) {
   if (prefix->memfd_body()) {
     std::string err;
     auto body = SealedMemfd::adopt(std::move(fds.front()), err, account_,
-                                   opts_.untrusted ? MemfdCharge::kWithinLimits : MemfdCharge::kAlways);
+                                   opts_.untrusted ? PeerCharge::kWithinLimits : PeerCharge::kAlways);
     fds.erase(fds.begin());
     if (body && body->size() > opts_.max_message_size)
       err = fmt::format("message too large: {} bytes exceeds the maximum of {}", body->size(),

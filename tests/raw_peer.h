@@ -178,6 +178,7 @@ class RawPeer {
         std::memcmp(w, "SPDL", 4) != 0)
       throw Error("raw peer: no welcome");
     server_id = be::get32(w + 12);
+    announced_max = be::get32(w + 20);
     return be::get32(w + 8);
   }
   // The Mitogen handshake (mitogen.unix.connect): our pid as 4 bytes, then
@@ -224,6 +225,7 @@ class RawPeer {
   int fd = -1;
   int router_end = -1;  // handed to the router, which owns it
   std::uint32_t server_id = 0xffffffff;
+  std::uint32_t announced_max = 0;  // the largest frame the server reads (its welcome)
 
  private:
   explicit RawPeer(int connected) : fd(connected) {}

@@ -103,6 +103,47 @@ TEST(Account, ReliefFiresOnceEachTimeALimitIsLeftBehind) {
   EXPECT_EQ(budget_reliefs, 1);
 }
 
+// reserve(): what does not fit now asks for a relief at the next release, of
+// this account or of any account on the budget, and the relief comes even
+// though no limit was ever exceeded (an untrusted peer's large body waits for
+// room: stream/parser.h).
+TEST(Account, AFailedReserveIsToldOfTheNextRelease) {
+  auto budget = std::make_shared<MemoryBudget>(10'000);
+  int budget_reliefs = 0, a_reliefs = 0;
+  budget->on_relief([&] { ++budget_reliefs; });
+  Account a(6000, budget), other(10'000, budget);
+  a.on_relief([&] { ++a_reliefs; });
+  ASSERT_TRUE(a.reserve(4000));
+  a.release(100);  // the wish made before a successful reserve: one relief for nothing
+  EXPECT_EQ(a_reliefs, 1);
+  a.release(100);
+  EXPECT_EQ(a_reliefs, 1) << "a relief is asked for once per reserve";
+  EXPECT_EQ(a.held(), 3800u);
+  budget_reliefs = 0;
+
+  EXPECT_FALSE(a.reserve(3000)) << "over its own limit of 6000";
+  EXPECT_EQ(a.held(), 3800u) << "a failed reserve charges nothing";
+  EXPECT_FALSE(a.over()) << "nothing is exceeded: the body waits, it is not charged";
+  a.release(800);
+  EXPECT_EQ(a_reliefs, 2) << "its own release tells the waiter";
+  EXPECT_TRUE(a.reserve(3000));
+  EXPECT_EQ(a.held(), 6000u);
+
+  // The budget's room: another peer's release tells the waiter.
+  a.release(3000);     // a: 3000; the budget: 3000
+  other.charge(6500);  // the budget: 9500 of 10000
+  budget_reliefs = 0;
+  EXPECT_FALSE(a.reserve(1000)) << "a's limit has room; the budget has not";
+  EXPECT_EQ(budget->held(), 9500u);
+  other.release(600);  // 8900
+  EXPECT_EQ(budget_reliefs, 1) << "another peer's release tells the waiter";
+  EXPECT_TRUE(a.reserve(1000));
+  EXPECT_EQ(budget->held(), 9900u);
+  a.release(4000);
+  other.release(5900);
+  EXPECT_EQ(budget->held(), 0u);
+}
+
 // A Charge releases what it holds wherever it ends up, once.
 TEST(Account, AChargeReleasesOnceWhereverItGoes) {
   auto budget = std::make_shared<MemoryBudget>(1000);

@@ -17,6 +17,7 @@
 
 #include "router/reasons.h"
 #include "spindle/fds.h"
+#include "tests/fds_test_util.h"
 #include "tests/process_util.h"
 #include "tests/raw_peer.h"
 #include "tests/router_fixture.h"
@@ -47,6 +48,32 @@ TEST_F(Hostile, BadHelloMagicIsRefusedWithAReason) {
   EXPECT_TRUE(closed_by_peer(p.fd, 20s));  // after the reason, EOF
   EXPECT_TRUE(logged("neither a Spindle hello"));
   expect_served("bad hello magic");
+}
+
+// A client that sent fds with its hello's first byte, and then nothing, made
+// the router hold them until the handshake timed out (10 s): a few such
+// connections could pin thousands of the router's fds. They end the
+// handshake at once now: no peer sends fds before the welcome said it may.
+TEST_F(Hostile, FdsSentBeforeTheHandshakeCompletesEndIt) {
+  const std::size_t before = count_open_fds(router_->pid());
+  RawPeer p = RawPeer::connect_to(address());
+  std::vector<UniqueFd> ends;
+  std::vector<int> raw;
+  for (int i = 0; i < 100; ++i) {
+    int pf[2];
+    ASSERT_EQ(::pipe2(pf, O_CLOEXEC), 0);
+    for (int fd : pf) {
+      ends.emplace_back(fd);
+      raw.push_back(fd);
+    }
+  }
+  const std::uint8_t first = 'S';  // a Spindle hello's first byte
+  ASSERT_TRUE(send_with_fds(p.fd, std::span<const std::uint8_t>(&first, 1), raw));
+  EXPECT_TRUE(closed_by_peer(p.fd, 5s)) << "the router waited for the rest of the hello";
+  EXPECT_TRUE(logged("fds arrived before the handshake completed")) << router_->log();
+  EXPECT_TRUE(eventually([&] { return count_open_fds(router_->pid()) <= before; }, 5s))
+      << count_open_fds(router_->pid()) << " fds open, " << before << " before";
+  expect_served("fds sent with a hello");
 }
 
 TEST_F(Hostile, BadFrameMagicDisconnectsThatPeerWithALogLine) {

@@ -666,4 +666,65 @@ TEST(FrameParserTest, BufferedCountsPartialDirectBody) {
   EXPECT_EQ(consumed + p.buffered(), 15000u);
 }
 
+// An untrusted peer's large body is charged whole before its buffer is made,
+// and only if it fits the peer's allowance: otherwise next() consumes nothing
+// and says it waits for memory, and once room is made the same header begins
+// the body (stream/parser.h).
+TEST(FrameParserTest, AnUntrustedBodyWaitsUntilItFitsTheAllowance) {
+  constexpr std::size_t kLimit = 4u << 20;
+  auto account = std::make_shared<Account>(kLimit, nullptr);
+  account->charge(2u << 20);  // what the peer already holds
+  RxBuffer rx;
+  FrameParser p(rx);
+  p.set_account(account, PeerCharge::kWithinLimits);
+  Header h = header_for(1, kBig, kEncMitogenRaw);
+  Bytes f = frame(h, pattern(kBig, 7));
+  auto put_into = [&](FrameParser& into, std::size_t off, std::size_t n) {  // as a stream reads
+    while (n > 0) {
+      auto dst = into.read_target();
+      std::size_t k = std::min(dst.size(), n);
+      std::memcpy(dst.data(), f.data() + off, k);
+      into.commit(k);
+      off += k;
+      n -= k;
+    }
+  };
+  auto put = [&](std::size_t off, std::size_t n) { put_into(p, off, n); };
+  put(0, kHeaderSize + 1000);
+  Message m;
+  ParseResult r = p.next(m);
+  EXPECT_EQ(r.status, ParseStatus::kNeedMore);
+  EXPECT_TRUE(r.memory_wait) << "3 MiB more does not fit 2 of 4 MiB held";
+  EXPECT_EQ(r.consumed, 0u);
+  EXPECT_EQ(account->held(), 2u << 20) << "a body that waits is not charged";
+  EXPECT_FALSE(p.body_wants_bytes());
+
+  account->release(2u << 20);
+  r = p.next(m);
+  EXPECT_EQ(r.status, ParseStatus::kNeedMore);
+  EXPECT_FALSE(r.memory_wait);
+  EXPECT_EQ(r.consumed, kHeaderSize + 1000) << "the body began, with what was buffered";
+  EXPECT_EQ(account->held(), kBig) << "charged whole, before it arrived";
+  EXPECT_TRUE(p.body_wants_bytes());
+  EXPECT_EQ(p.bodies_begun(), 1u);
+
+  put(kHeaderSize + 1000, f.size() - kHeaderSize - 1000);
+  r = p.next(m);
+  ASSERT_EQ(r.status, ParseStatus::kComplete);
+  EXPECT_EQ(payload_bytes(m.data), pattern(kBig, 7));
+  p.finish();
+  m = {};
+  EXPECT_EQ(account->held(), 0u);
+
+  // A trusted peer's body is charged however much it holds.
+  account->charge(2u << 20);
+  FrameParser trusted(rx);
+  trusted.set_account(account, PeerCharge::kAlways);
+  put_into(trusted, 0, kHeaderSize + 1000);
+  r = trusted.next(m);
+  EXPECT_FALSE(r.memory_wait);
+  EXPECT_EQ(r.consumed, kHeaderSize + 1000);
+  EXPECT_GT(account->held(), kLimit);
+}
+
 }  // namespace test_parser

@@ -1,0 +1,122 @@
+// A client's large inline bodies against the real spindle-router: what a
+// header alone may make the router hold, and for how long (docs/PROTOCOL.md
+// §14). A body of 64 KiB or more is read into a buffer of its own, charged
+// whole from its header on. Three rules keep that charge bounded for an
+// untrusted client: a frame may be no larger than the client's allowance
+// (the router announces it in its welcome), a body is begun only when its
+// whole size fits the allowance and the global budget (reading waits until
+// it does), and a body once begun must arrive at kMinBodyRate or faster.
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "stream/stream.h"
+#include "tests/hardening_fixture.h"
+#include "tests/raw_peer.h"
+#include "tests/router_probe.h"
+
+namespace spindle {
+namespace test_hardening_bodies {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+// Before: the router announced (and read) up to the maximum message size,
+// 128 MiB, whatever the client's allowance; a header for a body beyond the
+// allowance was charged in full and its body waited for, so one client could
+// make the router promise 128 MiB with 26 bytes.
+TEST_F(Hardening, AClientsFrameMayBeNoLargerThanItsAllowance) {
+  constexpr std::uint32_t kAllowance = 8u << 20;
+  start({"--peer-memory-limit", "8M"});
+  RawPeer to = raw_client();
+  const std::uint32_t to_id = id_;
+  RawPeer p = raw_client();
+  EXPECT_EQ(p.announced_max, kAllowance) << "the welcome says what the router reads";
+
+  // A body of exactly the allowance travels.
+  const std::string body(kAllowance, 'b');
+  std::thread writer([&] { p.send_frame(frame(to_id, id_, id_, 7, 0), body); });
+  Message back;
+  const bool got = to.read_frame_for(to_id, 7, back, 30s);
+  writer.join();
+  ASSERT_TRUE(got) << router_->log();
+  EXPECT_EQ(back.data.size(), body.size());
+
+  // One byte more is refused at its header, with the limit named.
+  Header h = frame(to_id, id_, id_, 7, 0);
+  h.length = kAllowance + 1;
+  HeaderBytes hb = encode_header(h);
+  p.write_all(hb.data(), hb.size());
+  EXPECT_TRUE(p.wait_eof(nullptr, 20s)) << "the router waited for the body: " << router_->log();
+  EXPECT_TRUE(logged(fmt::format("message too large: {} bytes exceeds the maximum of {}",
+                                 kAllowance + 1, kAllowance)))
+      << router_->log();
+  expect_served("a frame over the allowance");
+}
+
+// Three clients each begin a 6 MiB body and never finish it: one stops, one
+// trickles, one stops. The router's budget is 16 MiB, so two bodies fit and
+// the third waits, unread and uncharged. Each body that began is cut off
+// once an honest sender would long have finished, and the waiting one then
+// begins (and is cut off in turn). Before: all three were charged at once
+// (18 MiB, over the budget) and held for as long as the clients liked.
+TEST_F(Hardening, ABodyIsBegunOnlyWhenItFitsAndMustThenArrive) {
+  constexpr long long kGlobal = 16 << 20;
+  constexpr std::size_t kBody = 6u << 20;
+  start({"--memory-limit", "16M", "--peer-memory-limit", "8M", "--stall-timeout", "2s"});
+  std::vector<RawPeer> senders;
+  std::vector<std::uint32_t> ids;
+  for (int i = 0; i < 3; ++i) {
+    senders.push_back(raw_client());
+    ids.push_back(id_);
+    Header h = frame(id_, id_, id_, 7, 0);
+    h.length = kBody;
+    HeaderBytes hb = encode_header(h);
+    senders.back().write_all(hb.data(), hb.size());
+    senders.back().write_all(std::string(64 << 10, 'x'));
+  }
+  // The trickler: 4 KiB every 100 ms (40 KiB/s) until it is cut off.
+  std::atomic<bool> stop{false};
+  std::thread trickler([&] {
+    const std::string piece(4096, 't');
+    while (!stop) {
+      if (::send(senders[1].fd, piece.data(), piece.size(), MSG_NOSIGNAL | MSG_DONTWAIT) < 0 &&
+          errno != EAGAIN)
+        return;
+      std::this_thread::sleep_for(100ms);
+    }
+  });
+  // Two bodies began; the third waits for room, its client paused.
+  int waiting = -1;
+  ASSERT_TRUE(eventually([&] {
+    for (int i = 0; i < 3; ++i)
+      if (stats_field(client_line(ids[i]), " paused=") == 1) waiting = i;
+    return waiting >= 0;
+  }, 10s)) << router_stats_text(socket());
+  const std::string stats = router_stats_text(socket());
+  EXPECT_LE(stats_field(stats, " memory_held="), kGlobal) << stats;
+  EXPECT_LE(stats_field(client_line(ids[waiting]), " memory_held="), 1 << 20)
+      << "the waiting body is not charged: " << stats;
+
+  // Each is cut off: the two that began after 2 s + 6 MiB at 4 MiB/s, the
+  // waiting one as long again after it began.
+  for (RawPeer& s : senders) EXPECT_TRUE(s.wait_eof(nullptr, 30s)) << router_->log();
+  stop = true;
+  trickler.join();
+  // (The client sees its EOF a moment before the router logs why.)
+  EXPECT_TRUE(eventually([&] { return lines_with("must arrive at 4 MiB/s").size() == 3; }, 10s))
+      << router_->log();
+  EXPECT_LE(stats_field(router_stats_text(socket()), " memory_peak="), kGlobal)
+      << router_stats_text(socket());
+  EXPECT_TRUE(eventually([&] {
+    return stats_field(router_stats_text(socket()), " memory_held=") < (1 << 20);
+  }, 10s)) << router_stats_text(socket());
+  expect_served("three bodies that never arrived");
+}
+
+}  // namespace test_hardening_bodies
+}  // namespace spindle
