@@ -48,6 +48,37 @@ Lane& LaneSet::add_lane(LaneOptions opts) {
   return *lanes_.back();
 }
 
+Lane::SenderLoad* Lane::load_of(std::uint32_t sender) {
+  for (SenderLoad& l : senders_)
+    if (l.id == sender) return &l;
+  return nullptr;
+}
+
+// A sender holding nothing may always queue one message, as an empty lane
+// takes one of any size; otherwise what it would hold must stay within its
+// share of both bounds.
+bool Lane::within_share(const SenderLoad* load, std::size_t size) const {
+  if (!load) return true;
+  const std::size_t n = senders_.size();
+  return load->messages < opts_.max_messages / n && load->bytes + size <= opts_.max_bytes / n;
+}
+
+void Lane::add_load(std::uint32_t sender, std::size_t size) {
+  SenderLoad* l = load_of(sender);
+  if (!l) l = &senders_.emplace_back(SenderLoad{sender, 0, 0});
+  ++l->messages;
+  l->bytes += size;
+}
+
+void Lane::remove_load(std::uint32_t sender, std::size_t size) {
+  SenderLoad* l = load_of(sender);
+  if (!l) return;
+  l->bytes -= std::min(l->bytes, size);
+  if (--l->messages > 0) return;
+  *l = senders_.back();
+  senders_.pop_back();
+}
+
 void LaneSet::enter_ring_locked(Lane& lane) {
   if (lane.in_ring_ || lane.queue_.empty() || (lane.serialized() && lane.running_)) return;
   lane.in_ring_ = true;
@@ -62,6 +93,7 @@ std::optional<LaneSet::Taken> LaneSet::next_locked() {
   Taken t{lane, std::move(lane->queue_.front())};
   lane->queue_.pop_front();
   lane->queued_bytes_ -= std::min(lane->queued_bytes_, t.msg.data.size());
+  lane->remove_load(t.msg.header.auth_id, t.msg.data.size());
   if (lane->serialized()) lane->running_ = true;
   enter_ring_locked(*lane);  // back at the tail, if it has more and may run
   ++stats_.running;
@@ -108,11 +140,13 @@ LaneSet::Push LaneSet::push(Lane& lane, Message& m) {
     // so refusing it frees nothing, while a bound below the largest message
     // would refuse every large call (a 256 MiB array) however idle the lane.
     const bool over_bytes = !lane.queue_.empty() && lane.queued_bytes_ + size > lane.opts_.max_bytes;
-    if (lane.queue_.size() >= lane.opts_.max_messages || over_bytes) {
+    const bool over = lane.queue_.size() >= lane.opts_.max_messages || over_bytes;
+    if (over && !lane.within_share(lane.load_of(m.header.auth_id), size)) {
       ++stats_.refused_full;
       return Push::kFull;
     }
     lane.queued_bytes_ += size;
+    lane.add_load(m.header.auth_id, size);
     lane.queue_.push_back(std::move(m));
     ++stats_.pushed;
     ++stats_.queued;
@@ -266,6 +300,7 @@ std::vector<Message> LaneSet::retire(Lane& lane) {
   stats_.queued -= left.size();
   lane.queue_.clear();
   lane.queued_bytes_ = 0;
+  lane.senders_.clear();
   return left;
 }
 
@@ -279,6 +314,7 @@ std::vector<LaneSet::Taken> LaneSet::close() {
       for (Message& m : l->queue_) left.push_back(Taken{l.get(), std::move(m)});
       l->queue_.clear();
       l->queued_bytes_ = 0;
+      l->senders_.clear();
       l->in_ring_ = false;
     }
     ring_.clear();

@@ -12,6 +12,13 @@
 //    message from the lane at the head of the ring and puts the lane back at
 //    the tail if it has more. So a message waits behind at most one message
 //    of every other lane with work, however deep those lanes are.
+//  - Bounds rule: a lane holds up to its bounds (LaneOptions); past them, a
+//    sender (the auth_id of the message) still queued only while it holds
+//    less than its share of them: the bounds divided among the senders with
+//    work queued there. So one peer that fills a shared lane (a router's
+//    ping service) shuts the others out for no longer than it took to fill
+//    it; they get their share, it gets refusals. A lane holds at most about
+//    twice its bounds, as a router holds about twice its global memory limit.
 // A serialized lane leaves the ring while one of its messages runs, and
 // re-enters it when the taker calls done(): its messages run one at a time in
 // arrival order.
@@ -76,8 +83,22 @@ class Lane {
   friend class LaneSet;
   explicit Lane(LaneOptions o) : opts_(std::move(o)) {}
   LaneOptions opts_;
+  // What one sender has queued here (the bounds rule). Few senders have work
+  // queued at once: searched in place, and the vector keeps its capacity, so
+  // steady traffic allocates nothing.
+  struct SenderLoad {
+    std::uint32_t id;
+    std::size_t messages;
+    std::size_t bytes;
+  };
+  SenderLoad* load_of(std::uint32_t sender);
+  bool within_share(const SenderLoad* load, std::size_t size) const;
+  void add_load(std::uint32_t sender, std::size_t size);
+  void remove_load(std::uint32_t sender, std::size_t size);
+
   std::deque<Message> queue_;  // guarded by the set's mutex
   std::size_t queued_bytes_ = 0;  // payload bytes in queue_, likewise
+  std::vector<SenderLoad> senders_;  // likewise
   bool in_ring_ = false;
   bool running_ = false;       // serialized lanes: one of its messages runs
   bool retired_ = false;       // refuses new messages

@@ -78,11 +78,14 @@ void Pool::submit(Lane& lane, Message&& m) {
     case LaneSet::Push::kQueued: return;
     case LaneSet::Push::kClosed:
       return static_cast<LaneJob*>(lane.owner)->reject(std::move(m), reason::kShuttingDown);
-    case LaneSet::Push::kFull:
-      return static_cast<LaneJob*>(lane.owner)->reject(
-          std::move(m), fmt::format("{}: lane {} holds {} messages at most and {} bytes (pool {})",
-                                    reason::kQueueFull, lane.name(), lane.max_messages(),
-                                    lane.max_bytes(), opts_.name));
+    case LaneSet::Push::kFull: {
+      std::string why = fmt::format(
+          "{}: lane {} holds {} messages at most and {} bytes, and context {} holds its share of "
+          "them (pool {})",
+          reason::kQueueFull, lane.name(), lane.max_messages(), lane.max_bytes(), m.header.auth_id,
+          opts_.name);
+      return static_cast<LaneJob*>(lane.owner)->reject(std::move(m), why);
+    }
   }
 }
 

@@ -386,6 +386,60 @@ TEST(ServicesHardening, APeerPastALanesBoundGetsServiceQueueFull) {
   EXPECT_EQ(answered, bound + 1) << "what the lane accepted is answered";
 }
 
+// One peer that fills a lane does not shut the others out of it: past the
+// bound, a peer holding less than its share (the bound divided among the
+// peers with work queued) is still queued, while the one holding more is
+// refused. Before, once one peer had filled a shared lane (a router's ping
+// service), every other peer's call was refused until it drained.
+TEST(ServicesHardening, APeerThatFillsALaneLeavesTheOthersTheirShare) {
+  InProcessRouter rt;
+  services::Pool pool(pool_of(1));
+  services::ServiceHost host(rt.router(), pool);
+  Gate gate;
+  host_slow_service(host, gate);
+  OpenOnExit release(gate);
+
+  RawClient flooder(rt), other(rt);
+  flooder.peer.write_all(flooder.call_frame("slow", "wait", "", kReplyBase));
+  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));  // the one worker is held
+  constexpr std::size_t kOver = 3, kOthers = 10;
+  const std::size_t bound = services::kDefaultLaneMaxMessages;
+  std::string burst;
+  for (std::size_t i = 0; i < bound + kOver; ++i)
+    burst += flooder.call_frame("slow", "wait", "", kReplyBase + 1 + i);
+  Message m;
+  std::size_t refused = 0;
+  {
+    BurstWriter writer(flooder, std::move(burst), [] {});
+    while (refused < kOver && next_answer(flooder, m)) {
+      EXPECT_TRUE(m.is_dead()) << m.text();
+      EXPECT_TRUE(m.text().starts_with(services::reason::kQueueFull)) << m.text();
+      ++refused;
+    }
+  }
+  ASSERT_EQ(refused, kOver);
+  ASSERT_EQ(pool.stats().queued, bound);
+
+  // The full lane still takes the other peer's calls...
+  std::string calls;
+  for (std::size_t i = 0; i < kOthers; ++i) calls += other.call_frame("slow", "wait", "", kReplyBase + i);
+  other.peer.write_all(calls);
+  ASSERT_TRUE(eventually([&] { return pool.stats().queued == bound + kOthers; }))
+      << pool.stats().queued << " queued, " << pool.stats().refused_full << " refused";
+  // ...and still refuses the flooder's.
+  flooder.peer.write_all(flooder.call_frame("slow", "wait", "", kReplyBase + 2 * bound));
+  ASSERT_TRUE(next_answer(flooder, m));
+  EXPECT_TRUE(m.is_dead());
+  EXPECT_TRUE(contains(m.text(), fmt::format("context {} holds its share", flooder.id))) << m.text();
+  EXPECT_EQ(pool.stats().refused_full, kOver + 1);
+
+  gate.open();
+  for (std::size_t i = 0; i < kOthers; ++i) {
+    ASSERT_TRUE(next_answer(other, m));
+    EXPECT_FALSE(m.is_dead()) << m.text();
+  }
+}
+
 // --- 5. the callers joining one deduplicated computation ------------------
 
 // Identical calls to a deduplicated service join the computation that is
