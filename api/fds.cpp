@@ -57,7 +57,12 @@ std::vector<int> FdSet::raw() const {
 
 FdSet FdSet::with_charge(std::shared_ptr<void> charge) && {
   if (!held_) return FdSet({}, std::move(charge));
-  if (held_.use_count() == 1 && !held_->charge) {
+  if (held_.use_count() == 1) {
+    // Charged already (the receiving stream's fd budget): both charges go
+    // with the fds.
+    if (held_->charge)
+      charge = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(
+          std::move(held_->charge), std::move(charge));
     held_->charge = std::move(charge);
     return std::move(*this);
   }

@@ -31,6 +31,11 @@ struct RouterOptions {
   // fds (a memfd body counts as one) that one peer may have in flight through
   // this router, queued towards other peers; over it: dead reply (router/fds.cpp).
   std::size_t fd_quota = 1024;
+  // fds this process may hold for all its peers at once (received, not yet
+  // passed on or closed); past it, a listener's client's fds are not taken
+  // and its frames that carry them are refused (stream/account.h, FdBudget).
+  // 0: half of RLIMIT_NOFILE's soft limit when the router starts.
+  std::size_t fd_limit = 0;
   // Payloads of at least this many bytes travel as a sealed memfd (stream/memfd.h).
   std::size_t memfd_threshold = 1u << 20;
   // What one peer, and all peers together, may make this router hold

@@ -28,6 +28,7 @@ StreamOptions Router::stream_options(const std::string& name) const {
   so.handshake_timeout = opts_.handshake_timeout;
   so.memory_limit = opts_.peer_memory_limit;
   so.budget = budget_;
+  so.fd_budget = fd_budget_;
   so.stall_timeout = opts_.stall_timeout;
   return so;
 }

@@ -6,6 +6,7 @@
 // control handles.
 #include "router/router.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +23,16 @@
 namespace spindle {
 namespace {
 std::atomic<std::uint64_t> g_router_serial{1};
+
+// RouterOptions::fd_limit, or half of the fds this process may open: the
+// other half stays for its own connections, files and children, whatever
+// its peers send.
+std::size_t fd_limit_for(std::size_t configured) {
+  if (configured != 0) return configured;
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return 1u << 20;
+  return std::max<std::size_t>(64, static_cast<std::size_t>(rl.rlim_cur) / 2);
+}
 }  // namespace
 
 // Lets a release on any thread (a payload let go long after) ask the router
@@ -42,6 +53,7 @@ Router::Router(Broker& broker, RouterOptions opts)
       opts_(std::move(opts)),
       serial_(g_router_serial.fetch_add(1)),
       budget_(std::make_shared<MemoryBudget>(opts_.memory_limit)),
+      fd_budget_(std::make_shared<FdBudget>(fd_limit_for(opts_.fd_limit))),
       relief_(std::make_shared<BudgetRelief>()),
       calls_(&broker),
       outbox_(opts_.outbox_size),
@@ -212,6 +224,8 @@ RouterStats Router::stats() {
     s.memory_held = budget_->held();
     s.memory_peak = budget_->peak();
     s.memory_limit = budget_->limit();
+    s.fds_held = fd_budget_->held();
+    s.fd_limit = fd_budget_->limit();
     for (const auto& [stream, link] : links_)
       s.direct_writes += stream->port()->direct_writes.load(std::memory_order_relaxed);
     return s;

@@ -112,6 +112,7 @@ struct RouterStats {
   std::size_t streams = 0, routes = 0, handlers = 0;
   std::size_t pending_calls = 0;
   std::size_t memory_held = 0, memory_peak = 0, memory_limit = 0;  // all peers together
+  std::size_t fds_held = 0, fd_limit = 0;  // fds held for all peers (FdBudget)
 };
 
 class Router : public StreamListener, public ShutdownParticipant {
@@ -368,6 +369,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::vector<std::uint32_t> spare_ids_;  // descending: back() is next
   std::atomic<bool> parent_up_{false};
   std::shared_ptr<MemoryBudget> budget_;
+  std::shared_ptr<FdBudget> fd_budget_;
   std::shared_ptr<BudgetRelief> relief_;
   CallTable calls_;
   Outbox outbox_;

@@ -62,7 +62,7 @@ constexpr const char* kRefusedBadRequest = "the zygote refused a malformed reque
 // field added to RouterOptions must be added here and in both functions below.
 struct WireOptions {
   std::uint64_t high_water_mark, fd_quota, memfd_threshold, peer_memory_limit, memory_limit,
-      outbox_size;
+      outbox_size, fd_limit;
   std::int64_t handshake_timeout_ms, stall_timeout_ms, wait_spin_us;
   double peer_log_rate, peer_log_burst;
   std::uint32_t max_message_size;
@@ -73,6 +73,7 @@ WireOptions to_wire(const RouterOptions& o) {
   return {o.high_water_mark,       o.fd_quota,
           o.memfd_threshold,       o.peer_memory_limit,
           o.memory_limit,          o.outbox_size,
+          o.fd_limit,
           o.handshake_timeout.count(), o.stall_timeout.count(), o.wait_spin.count(),
           o.peer_log_rate,         o.peer_log_burst,
           o.max_message_size,      o.unidirectional,
@@ -87,6 +88,7 @@ RouterOptions from_wire(const WireOptions& w, std::string name) {
   o.handshake_timeout = std::chrono::milliseconds(w.handshake_timeout_ms);
   o.unidirectional = w.unidirectional != 0;
   o.fd_quota = w.fd_quota;
+  o.fd_limit = w.fd_limit;
   o.memfd_threshold = w.memfd_threshold;
   o.peer_memory_limit = w.peer_memory_limit;
   o.memory_limit = w.memory_limit;

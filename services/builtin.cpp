@@ -38,10 +38,10 @@ std::string format_stats(Router& router, Listener* listener) {
   std::string out = fmt::format(
       "router id={} pid={} fds={} clients={} routed={} delivered={} dead_replies={} accepted={} "
       "refused_uid={} refused_full={} refused_no_fds={} memory_held={} memory_peak={} memory_limit={} "
-      "routes={} departures={} departure_steps={}\n",
+      "routes={} departures={} departure_steps={} fds_held={} fd_limit={}\n",
       router.id(), ::getpid(), open_fds(), clients.size(), rs.routed, rs.delivered_locally, rs.dead_replies,
       ls.accepted, ls.refused_uid, ls.refused_full, ls.refused_no_fds, rs.memory_held, rs.memory_peak,
-      rs.memory_limit, rs.routes, rs.departures, rs.departure_steps);
+      rs.memory_limit, rs.routes, rs.departures, rs.departure_steps, rs.fds_held, rs.fd_limit);
   for (const ClientStats& c : clients)
     out += fmt::format(
         "client id={} name={} dialect={} pid={} uid={} messages_in={} messages_out={} "

@@ -99,4 +99,26 @@ void Account::release(std::size_t n) {
     relief_();
 }
 
+namespace {
+// Releases what FdBudget::charge() counted, once, wherever the fds went.
+class HeldFds {
+ public:
+  HeldFds(std::shared_ptr<FdBudget> budget, std::atomic<std::size_t>& held, std::size_t n)
+      : budget_(std::move(budget)), held_(held), n_(n) {}
+  ~HeldFds() { held_.fetch_sub(n_, std::memory_order_relaxed); }
+  HeldFds(const HeldFds&) = delete;
+  HeldFds& operator=(const HeldFds&) = delete;
+
+ private:
+  std::shared_ptr<FdBudget> budget_;  // keeps `held_` alive
+  std::atomic<std::size_t>& held_;
+  std::size_t n_;
+};
+}  // namespace
+
+std::shared_ptr<void> FdBudget::charge(std::size_t n) {
+  held_.fetch_add(n, std::memory_order_relaxed);
+  return std::make_shared<HeldFds>(shared_from_this(), held_, n);
+}
+
 }  // namespace spindle

@@ -116,6 +116,28 @@ class Account {
   std::function<void()> relief_;  // set before the account is shared
 };
 
+// What all the peers of one process may make it hold in file descriptors:
+// those received and not yet passed on, handed over or closed. Past the
+// limit an untrusted peer's fds are not taken (StreamOptions::fd_budget): the
+// kernel discards them, and the frames they came with are refused, so no
+// client can fill this process's fd table however many connections it opens.
+//
+// Thread safety: every member is safe from any thread. Ownership: shared;
+// each charge keeps its budget alive.
+class FdBudget : public std::enable_shared_from_this<FdBudget> {
+ public:
+  explicit FdBudget(std::size_t limit) : limit_(limit) {}
+  std::size_t held() const { return held_.load(std::memory_order_relaxed); }
+  std::size_t limit() const { return limit_; }
+  bool spent() const { return held() >= limit_; }
+  // `n` fds held until the returned charge goes (whoever holds them shares it).
+  std::shared_ptr<void> charge(std::size_t n);
+
+ private:
+  const std::size_t limit_;
+  std::atomic<std::size_t> held_{0};
+};
+
 // Bytes charged to an account until this object goes.
 class Charge {
  public:

@@ -55,6 +55,7 @@ Payload drop_front(const Payload& data, std::size_t n);
 
 namespace fdreason {
 inline constexpr std::string_view kFdsLost = "receiver out of file descriptors";
+inline constexpr std::string_view kFdBudgetSpent = "fd budget spent";
 inline constexpr std::string_view kFdsUnsupported = "peer cannot take file descriptors";
 inline constexpr std::string_view kTooManyFds = "too many file descriptors";
 inline constexpr std::string_view kSendFailed = "cannot send file descriptors";

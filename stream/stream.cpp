@@ -152,6 +152,7 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
       stall_timer_(broker.io()),
       hold_timer_(broker.io()),
       body_timer_(broker.io()),
+      fds_timer_(broker.io()),
       resumer_(std::make_shared<ReadResumer>()) {
   set_nonblocking(read_fd);
   if (write_fd != read_fd) set_nonblocking(write_fd);
@@ -473,6 +474,7 @@ bool Stream::process_input() {
     if (r.status == ParseStatus::kNeedMore) {
       if (r.memory_wait) wait_for_memory(r.header.length);
       watch_body();
+      watch_fds();
       if (orphan_fds()) {
         ParseResult bad;
         bad.status = ParseStatus::kInvalid;
@@ -530,6 +532,7 @@ void Stream::close(const std::string& reason) {
   stall_timer_.cancel();
   hold_timer_.cancel();
   body_timer_.cancel();
+  fds_timer_.cancel();
   std::error_code ignored;
   rd_.cancel(ignored);
   if (wr_) wr_->cancel(ignored);

@@ -142,6 +142,11 @@ struct StreamOptions {
   //   at kMinBodyRate or faster, or the peer is disconnected: its charge is
   //   held only as long as an honest sender takes.
   bool untrusted = false;
+  // The fds this process holds for all its peers (shared by a router's
+  // links; may be null). Past its limit an untrusted peer's fds are not
+  // taken, and an untrusted peer's fds must be bound to their frames within
+  // stall_timeout (a frame never completed must not pin them).
+  std::shared_ptr<FdBudget> fd_budget;
   // Once a goodbye is flushed, close without waiting for the peer's EOF. For
   // a pipe link whose peer sees our EOF only when we exit: an agent behind
   // ssh, whose client keeps its own copy of the stdout it relays, so our
@@ -251,6 +256,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
   struct FdBatch {
     std::vector<UniqueFd> fds;
     bool truncated = false;  // MSG_CTRUNC: the kernel dropped some or all
+    bool refused = false;    // not taken: the fd budget was spent
+    std::shared_ptr<void> charge;  // on the fd budget; shared by the frames' FdSets
   };
   // A message waiting for the handshake: how it is framed depends on the peer.
   struct HeldMessage {
@@ -281,6 +288,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool fail_handshake(const std::string& error);  // returns false
   void wait_for_memory(std::size_t body_size);
   void watch_body();  // untrusted: times the large body under way
+  void watch_fds();   // untrusted: times the fds not yet bound to a frame
+  bool holds_unbound_fds() const { return !rx_fds_.empty() || batch_left_ > 0; }
  public:
   void resume_reading();  // via ReadResumer, on the broker thread
  private:
@@ -330,6 +339,10 @@ class Stream : public std::enable_shared_from_this<Stream> {
   asio::steady_timer hold_timer_;  // hold_input(): reading resumes when it fires
   asio::steady_timer body_timer_;  // watch_body(): the body under way is late
   std::uint64_t body_watched_ = 0;  // parser_->bodies_begun() when body_timer_ was set
+  asio::steady_timer fds_timer_;   // watch_fds()
+  bool fds_watched_ = false;
+  std::uint64_t batches_done_ = 0;  // fd batches bound whole to their frames
+  std::uint64_t fds_mark_ = 0;      // batches_done_ when fds_timer_ was set
   std::uint64_t stall_mark_ = 0;  // bytes_out when the stall timer was armed
   bool stall_armed_ = false;
   std::shared_ptr<ReadResumer> resumer_;

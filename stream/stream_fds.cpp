@@ -30,7 +30,11 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target, bool& at_fds) {
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  control.receive_into(mh);
+  // The process's fd budget spent: an untrusted peer's fds are not taken.
+  // With no room for them, the kernel closes them and says MSG_CTRUNC; the
+  // bytes still arrive, and the frames they came with are refused.
+  const bool refuse_fds = opts_.untrusted && opts_.fd_budget && opts_.fd_budget->spent();
+  if (!refuse_fds) control.receive_into(mh);
   ssize_t n = ::recvmsg(fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
   if (n < 0) return n;
   FdBatch batch;
@@ -38,9 +42,11 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target, bool& at_fds) {
   // MSG_CTRUNC: the kernel dropped fds (this process is at RLIMIT_NOFILE, or
   // more arrived than fit). Never ignored: the frame they belong to fails.
   batch.truncated = (mh.msg_flags & MSG_CTRUNC) != 0;
+  batch.refused = refuse_fds && batch.truncated;
   if (!batch.fds.empty() || batch.truncated) {
     at_fds = true;
     stats_.fds_in += batch.fds.size();
+    if (opts_.fd_budget && !batch.fds.empty()) batch.charge = opts_.fd_budget->charge(batch.fds.size());
     rx_fds_.push_back(std::move(batch));
   }
   return n;
@@ -108,10 +114,26 @@ bool Stream::bind_fds(Message& m) {
   fds.reserve(have);
   for (std::size_t i = 0; i < have; ++i) fds.push_back(std::move(batch_.fds[bound_ + i]));
   bound_ += have;
-  if (batch_left_ == 0) batch_ = {};  // used up: the next SF frame starts another
+  const bool refused = batch_.refused;
+  std::shared_ptr<void> charge = batch_.charge;
+  if (batch_left_ == 0) {
+    batch_ = {};  // used up: the next SF frame starts another
+    ++batches_done_;
+  }
   m.header.enc = prefix->inner_enc;
   m.data = drop_front(m.data, kFdPrefixSize);
   m.header.length = static_cast<std::uint32_t>(m.data.size());
+  if (have < prefix->fd_count && refused) {
+    // Not taken, on purpose (read_once): the peer is told, and this process
+    // is not short of fds, so it logs nothing of its own.
+    fds.clear();
+    std::string why = fmt::format("{}: this process holds {} fds for its peers (limit {}); the {} "
+                                  "sent with this message were not taken",
+                                  fdreason::kFdBudgetSpent, opts_.fd_budget->held(),
+                                  opts_.fd_budget->limit(), prefix->fd_count);
+    listener_->on_stream_refused(*this, std::move(m), StreamListener::Refused::kOnArrival, why);
+    return false;
+  }
   if (have < prefix->fd_count) {
     // The bytes are intact, only this frame's fds are lost (MSG_CTRUNC: the
     // kernel dropped the tail of its batch): refuse the message, keep the
@@ -141,7 +163,9 @@ bool Stream::bind_fds(Message& m) {
     }
     m.sealed_body = std::move(body);
   }
-  m.fds = FdSet(std::move(fds));
+  // The batch's charge goes with every frame's share of it (a memfd body's
+  // too): released when the last of them is gone.
+  m.fds = FdSet(std::move(fds), std::move(charge));
   return true;
 }
 

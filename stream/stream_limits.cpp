@@ -191,4 +191,29 @@ void Stream::note_below_mark() {
   listener_->on_stream_below_mark(*this);
 }
 
+// An untrusted peer's fds are held from their arrival until the frame they
+// came with is complete (in a batch, until the frames after it are too). A
+// peer that never completes them would pin them, and with a few connections
+// the process's fd budget, for good: a batch not bound whole within
+// stall_timeout disconnects the peer. A large body under way is exempt while
+// it lasts: it has its own deadline (watch_body).
+void Stream::watch_fds() {
+  if (!opts_.untrusted || opts_.stall_timeout.count() <= 0 || fds_watched_ || !holds_unbound_fds())
+    return;
+  fds_watched_ = true;
+  fds_mark_ = batches_done_;
+  fds_timer_.expires_after(opts_.stall_timeout);
+  fds_timer_.async_wait([self = shared_from_this()](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed) return;
+    self->fds_watched_ = false;
+    if (!self->holds_unbound_fds()) return;
+    if (self->batches_done_ != self->fds_mark_ || (self->parser_ && self->parser_->body_wants_bytes()))
+      return self->watch_fds();
+    std::size_t held = self->batch_.fds.size() - std::min(self->bound_, self->batch_.fds.size());
+    for (const FdBatch& b : self->rx_fds_) held += b.fds.size();
+    self->close(fmt::format("the peer sent {} fds with frames it did not complete within {} ms", held,
+                            self->opts_.stall_timeout.count()));
+  });
+}
+
 }  // namespace spindle

@@ -73,6 +73,8 @@ limits (each peer is charged for what it makes the router hold):
   --memory-limit SIZE      all peers together; over it the peers holding more
                            than their fair share are paused (1G)
   --fd-quota N             fds one peer may have in flight through the router (1024)
+  --fd-limit N             fds the router may hold for all its peers at once; past
+                           it, clients' fds are refused (half of RLIMIT_NOFILE)
   --stall-timeout DUR      disconnect a peer that takes nothing from a full
                            queue for this long; 0 = never (10s)
   --accept-client-logs     accept FORWARD_LOG from clients (marked with their
@@ -145,6 +147,8 @@ std::optional<Config> parse(int argc, char** argv) {
       c.router.peer_memory_limit = spindle::tools::parse_size(o, args.value(o), 1 << 20, std::size_t{1} << 40);
     } else if (o == "--memory-limit") {
       c.router.memory_limit = spindle::tools::parse_size(o, args.value(o), 1 << 20, std::size_t{1} << 44);
+    } else if (o == "--fd-limit") {
+      c.router.fd_limit = spindle::tools::parse_size(o, args.value(o), 1, 1u << 30);
     } else if (o == "--fd-quota") {
       c.router.fd_quota = spindle::tools::parse_size(o, args.value(o), 1, 1u << 20);
     } else if (o == "--stall-timeout") {

@@ -1,0 +1,112 @@
+// The fds clients make the real spindle-router hold, all together
+// (docs/PROTOCOL.md §13.8): every fd received is charged to one budget
+// (--fd-limit) until it is passed on or closed. Past it, a client's fds are
+// not taken and the frames that carried them are refused with the reason;
+// fds sent with a frame that is never completed are held no longer than
+// --stall-timeout. Before, a client that opened a few connections and sent
+// 253 fds with the first byte of a frame on each (and nothing more) made the
+// router hold them for good: enough connections filled its fd table.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <span>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "stream/fd_frame.h"
+#include "tests/fds_test_util.h"
+#include "tests/hardening_fixture.h"
+#include "tests/process_util.h"
+#include "tests/raw_peer.h"
+#include "tests/router_probe.h"
+
+namespace spindle {
+namespace test_hardening_fds {
+
+using namespace testutil;
+using namespace std::chrono_literals;
+
+// `n` fds (pipe ends) that the test keeps open.
+std::vector<UniqueFd> pipe_ends(int n) {
+  std::vector<UniqueFd> v;
+  for (int i = 0; i < n; i += 2) {
+    int pf[2];
+    if (::pipe2(pf, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe2");
+    v.emplace_back(pf[0]);
+    v.emplace_back(pf[1]);
+  }
+  return v;
+}
+
+std::vector<int> raw_of(const std::vector<UniqueFd>& v, std::size_t n) {
+  std::vector<int> out;
+  for (std::size_t i = 0; i < n && i < v.size(); ++i) out.push_back(v[i].get());
+  return out;
+}
+
+// A complete SF frame from `src` to the router's handle 4000 (which does not
+// exist) carrying one fd; its dead reply goes to `reply_to`.
+std::vector<std::uint8_t> one_fd_frame(std::uint32_t src, std::uint32_t reply_to) {
+  Header h = frame(0, src, src, 4000, reply_to, kEncFds);
+  h.length = kFdPrefixSize + 4;
+  HeaderBytes hb = encode_header(h);
+  auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, 1, 0});
+  std::vector<std::uint8_t> v(hb.begin(), hb.end());
+  v.insert(v.end(), prefix.begin(), prefix.end());
+  v.insert(v.end(), {'p', 'i', 'n', 'g'});
+  return v;
+}
+
+TEST_F(Hardening, TheFdsClientsMakeTheRouterHoldAreBoundedAndHeldNoLongerThanTheyMustBe) {
+  constexpr long long kLimit = 300;
+  start({"--fd-limit", "300", "--stall-timeout", "2s"});
+  ASSERT_EQ(stats_field(router_stats_text(socket()), " fd_limit="), kLimit);
+  const std::size_t before = count_open_fds(router_->pid());
+  const auto ends = pipe_ends(200);
+
+  // Two connections each send 200 fds with the first byte of a frame they
+  // never finish: 400 fds held, over the limit.
+  std::vector<RawPeer> hoarders;
+  for (int i = 0; i < 2; ++i) {
+    hoarders.push_back(raw_client(kFlagFdPassing));
+    const std::uint8_t first = one_fd_frame(id_, 0)[0];
+    ASSERT_TRUE(send_with_fds(hoarders.back().fd, std::span<const std::uint8_t>(&first, 1),
+                              raw_of(ends, 200)));
+  }
+  ASSERT_TRUE(eventually([&] {
+    return stats_field(router_stats_text(socket()), " fds_held=") >= 2 * 200;
+  }, 10s)) << router_stats_text(socket());
+
+  // Another client's fd is refused now, with the reason; its connection stays.
+  RawPeer b = raw_client(kFlagFdPassing);
+  const std::uint32_t b_id = id_;
+  int one = ends[0].get();
+  ASSERT_TRUE(send_with_fds(b.fd, one_fd_frame(b_id, 71), std::span<const int>(&one, 1)));
+  Message d;
+  ASSERT_TRUE(b.read_frame_for(b_id, 71, d, 20s)) << router_->log();
+  EXPECT_TRUE(d.is_dead());
+  EXPECT_TRUE(d.text().starts_with(fdreason::kFdBudgetSpent)) << d.text();
+  EXPECT_LE(count_open_fds(router_->pid()), before + 2 * 200 + 8) << "the refused fd was kept";
+
+  // The hoarders are cut off once their fds wait longer than the stall
+  // timeout for the rest of their frames; what they held is let go.
+  for (RawPeer& h : hoarders) EXPECT_TRUE(h.wait_eof(nullptr, 20s)) << router_->log();
+  EXPECT_TRUE(logged("fds with frames it did not complete within 2000 ms")) << router_->log();
+  ASSERT_TRUE(eventually([&] {
+    return stats_field(router_stats_text(socket()), " fds_held=") == 0;
+  }, 10s)) << router_stats_text(socket());
+  EXPECT_LE(count_open_fds(router_->pid()), before + 8);
+
+  // With room again, the same client's fd is taken: the frame is answered
+  // for what it is (a handle nobody serves), not for the budget.
+  ASSERT_TRUE(send_with_fds(b.fd, one_fd_frame(b_id, 72), std::span<const int>(&one, 1)));
+  ASSERT_TRUE(b.read_frame_for(b_id, 72, d, 20s)) << router_->log();
+  EXPECT_TRUE(d.is_dead());
+  EXPECT_FALSE(d.text().starts_with(fdreason::kFdBudgetSpent)) << d.text();
+  expect_served("fds hoarded past the router's fd limit");
+}
+
+}  // namespace test_hardening_fds
+}  // namespace spindle
