@@ -87,6 +87,7 @@ std::vector<ClientStats> Router::client_stats() {
       c.queued_bytes = l->stream->gauge().queued();
       c.memory_held = l->stream->account()->held();
       c.memory_peak = l->stream->account()->peak();
+      c.fds_held = l->stream->account()->fds();
       c.paused = l->stream->reading_paused();
       c.held = l->stream->held_for_peer();
       c.holds = st.peer_holds;

@@ -94,6 +94,7 @@ struct ClientStats {
   std::uint64_t messages_in = 0, messages_out = 0, bytes_in = 0, bytes_out = 0;
   std::size_t queued_bytes = 0;
   std::size_t memory_held = 0, memory_peak = 0;  // its Account
+  std::size_t fds_held = 0;                      // fds it sent that are still held
   bool paused = false;          // not read: over its memory limit
   bool held = false;            // not read: a destination of its frames is over its mark
   std::uint64_t holds = 0;      // times that happened

@@ -46,10 +46,10 @@ std::string format_stats(Router& router, Listener* listener) {
     out += fmt::format(
         "client id={} name={} dialect={} pid={} uid={} messages_in={} messages_out={} "
         "bytes_in={} bytes_out={} queued_bytes={} memory_held={} memory_peak={} paused={} held={} "
-        "holds={}\n",
+        "holds={} fds_held={}\n",
         c.id, c.name, c.dialect == Dialect::kMitogen ? "mitogen" : "spindle", c.pid, c.uid,
         c.messages_in, c.messages_out, c.bytes_in, c.bytes_out, c.queued_bytes, c.memory_held,
-        c.memory_peak, c.paused ? 1 : 0, c.held ? 1 : 0, c.holds);
+        c.memory_peak, c.paused ? 1 : 0, c.held ? 1 : 0, c.holds, c.fds_held);
   return out;
 }
 

@@ -4,6 +4,8 @@
 // reader is resumed once, not on every release.
 #include "stream/account.h"
 
+#include <algorithm>
+
 namespace spindle {
 namespace {
 
@@ -103,22 +105,39 @@ namespace {
 // Releases what FdBudget::charge() counted, once, wherever the fds went.
 class HeldFds {
  public:
-  HeldFds(std::shared_ptr<FdBudget> budget, std::atomic<std::size_t>& held, std::size_t n)
-      : budget_(std::move(budget)), held_(held), n_(n) {}
-  ~HeldFds() { held_.fetch_sub(n_, std::memory_order_relaxed); }
+  HeldFds(std::shared_ptr<FdBudget> budget, std::atomic<std::size_t>& held,
+          std::shared_ptr<Account> account, std::atomic<std::size_t>* account_fds, std::size_t n)
+      : budget_(std::move(budget)), held_(held), account_(std::move(account)),
+        account_fds_(account_fds), n_(n) {}
+  ~HeldFds() {
+    held_.fetch_sub(n_, std::memory_order_relaxed);
+    if (account_fds_) account_fds_->fetch_sub(n_, std::memory_order_relaxed);
+  }
   HeldFds(const HeldFds&) = delete;
   HeldFds& operator=(const HeldFds&) = delete;
 
  private:
   std::shared_ptr<FdBudget> budget_;  // keeps `held_` alive
   std::atomic<std::size_t>& held_;
+  std::shared_ptr<Account> account_;  // keeps `account_fds_` alive
+  std::atomic<std::size_t>* account_fds_;
   std::size_t n_;
 };
 }  // namespace
 
-std::shared_ptr<void> FdBudget::charge(std::size_t n) {
+bool FdBudget::admits(const Account& a) const {
+  const std::size_t h = held();
+  if (h < limit_) return true;
+  if (h >= 2 * limit_) return false;
+  const std::size_t peers = a.budget() ? std::max<std::size_t>(1, a.budget()->peers()) : 1;
+  return a.fds() < limit_ / peers;
+}
+
+std::shared_ptr<void> FdBudget::charge(std::size_t n, std::shared_ptr<Account> account) {
   held_.fetch_add(n, std::memory_order_relaxed);
-  return std::make_shared<HeldFds>(shared_from_this(), held_, n);
+  std::atomic<std::size_t>* account_fds = account ? &account->fds_ : nullptr;
+  if (account_fds) account_fds->fetch_add(n, std::memory_order_relaxed);
+  return std::make_shared<HeldFds>(shared_from_this(), held_, std::move(account), account_fds, n);
 }
 
 }  // namespace spindle

@@ -104,9 +104,13 @@ class Account {
   const std::shared_ptr<MemoryBudget>& budget() const { return budget_; }
   // Called once each time a release brings an over() account back under.
   void on_relief(std::function<void()> fn) { relief_ = std::move(fn); }
+  // fds received from this peer and still held (FdBudget::charge).
+  std::size_t fds() const { return fds_.load(std::memory_order_relaxed); }
 
  private:
+  friend class FdBudget;
   bool over_with(std::size_t held) const;
+  std::atomic<std::size_t> fds_{0};
 
   const std::size_t limit_;
   std::shared_ptr<MemoryBudget> budget_;
@@ -118,9 +122,12 @@ class Account {
 
 // What all the peers of one process may make it hold in file descriptors:
 // those received and not yet passed on, handed over or closed. Past the
-// limit an untrusted peer's fds are not taken (StreamOptions::fd_budget): the
-// kernel discards them, and the frames they came with are refused, so no
-// client can fill this process's fd table however many connections it opens.
+// limit an untrusted peer's fds are taken only while it holds less than its
+// share (the limit divided among the peers), and never past twice the limit
+// (StreamOptions::fd_budget); the kernel discards the rest, and the frames
+// they came with are refused. So no client can fill this process's fd table
+// however many connections it opens, and one that spends the budget does
+// not stop the others passing fds.
 //
 // Thread safety: every member is safe from any thread. Ownership: shared;
 // each charge keeps its budget alive.
@@ -130,8 +137,11 @@ class FdBudget : public std::enable_shared_from_this<FdBudget> {
   std::size_t held() const { return held_.load(std::memory_order_relaxed); }
   std::size_t limit() const { return limit_; }
   bool spent() const { return held() >= limit_; }
-  // `n` fds held until the returned charge goes (whoever holds them shares it).
-  std::shared_ptr<void> charge(std::size_t n);
+  // Whether fds from the peer of `a` are taken now (the rule above).
+  bool admits(const Account& a) const;
+  // `n` fds held until the returned charge goes (whoever holds them shares
+  // it), charged to `account` too if given.
+  std::shared_ptr<void> charge(std::size_t n, std::shared_ptr<Account> account = nullptr);
 
  private:
   const std::size_t limit_;

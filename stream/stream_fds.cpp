@@ -30,10 +30,11 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target, bool& at_fds) {
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  // The process's fd budget spent: an untrusted peer's fds are not taken.
+  // The process's fd budget spent, and this peer holding its share of it:
+  // an untrusted peer's fds are not taken (FdBudget::admits).
   // With no room for them, the kernel closes them and says MSG_CTRUNC; the
   // bytes still arrive, and the frames they came with are refused.
-  const bool refuse_fds = opts_.untrusted && opts_.fd_budget && opts_.fd_budget->spent();
+  const bool refuse_fds = opts_.untrusted && opts_.fd_budget && !opts_.fd_budget->admits(*account_);
   if (!refuse_fds) control.receive_into(mh);
   ssize_t n = ::recvmsg(fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
   if (n < 0) return n;
@@ -46,7 +47,8 @@ ssize_t Stream::read_once(std::span<std::uint8_t> target, bool& at_fds) {
   if (!batch.fds.empty() || batch.truncated) {
     at_fds = true;
     stats_.fds_in += batch.fds.size();
-    if (opts_.fd_budget && !batch.fds.empty()) batch.charge = opts_.fd_budget->charge(batch.fds.size());
+    if (opts_.fd_budget && !batch.fds.empty())
+      batch.charge = opts_.fd_budget->charge(batch.fds.size(), account_);
     rx_fds_.push_back(std::move(batch));
   }
   return n;
@@ -127,10 +129,10 @@ bool Stream::bind_fds(Message& m) {
     // Not taken, on purpose (read_once): the peer is told, and this process
     // is not short of fds, so it logs nothing of its own.
     fds.clear();
-    std::string why = fmt::format("{}: this process holds {} fds for its peers (limit {}); the {} "
-                                  "sent with this message were not taken",
+    std::string why = fmt::format("{}: this process holds {} fds for its peers (limit {}), {} of them "
+                                  "for this one; the {} sent with this message were not taken",
                                   fdreason::kFdBudgetSpent, opts_.fd_budget->held(),
-                                  opts_.fd_budget->limit(), prefix->fd_count);
+                                  opts_.fd_budget->limit(), account_->fds(), prefix->fd_count);
     listener_->on_stream_refused(*this, std::move(m), StreamListener::Refused::kOnArrival, why);
     return false;
   }

@@ -3,12 +3,14 @@
 // (--fd-limit) until it is passed on or closed. Past it, a client's fds are
 // not taken and the frames that carried them are refused with the reason;
 // fds sent with a frame that is never completed are held no longer than
-// --stall-timeout. Before, a client that opened a few connections and sent
+// --stall-timeout. Past the budget, a client holding less than its share
+// is still given its fds, up to twice the budget. Before, a client that opened a few connections and sent
 // 253 fds with the first byte of a frame on each (and nothing more) made the
 // router hold them for good: enough connections filled its fd table.
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -59,50 +61,62 @@ std::vector<std::uint8_t> one_fd_frame(std::uint32_t src, std::uint32_t reply_to
   return v;
 }
 
-TEST_F(Hardening, TheFdsClientsMakeTheRouterHoldAreBoundedAndHeldNoLongerThanTheyMustBe) {
+// Sends, on a fresh connection, 200 fds with the first byte of a frame that
+// never follows.
+RawPeer hoard(const std::vector<UniqueFd>& ends, const std::function<RawPeer()>& connect) {
+  RawPeer p = connect();
+  const std::uint8_t first = one_fd_frame(0, 0)[0];
+  EXPECT_TRUE(send_with_fds(p.fd, std::span<const std::uint8_t>(&first, 1), raw_of(ends, 200)));
+  return p;
+}
+
+TEST_F(Hardening, TheFdsClientsMakeTheRouterHoldAreBoundedSharedAndLetGo) {
   constexpr long long kLimit = 300;
   start({"--fd-limit", "300", "--stall-timeout", "2s"});
   ASSERT_EQ(stats_field(router_stats_text(socket()), " fd_limit="), kLimit);
   const std::size_t before = count_open_fds(router_->pid());
   const auto ends = pipe_ends(200);
+  auto fds_held = [&] { return stats_field(router_stats_text(socket()), " fds_held="); };
+  auto connect = [&] { return raw_client(kFlagFdPassing); };
 
-  // Two connections each send 200 fds with the first byte of a frame they
-  // never finish: 400 fds held, over the limit.
+  // Two connections hold 200 fds each: over the limit.
   std::vector<RawPeer> hoarders;
-  for (int i = 0; i < 2; ++i) {
-    hoarders.push_back(raw_client(kFlagFdPassing));
-    const std::uint8_t first = one_fd_frame(id_, 0)[0];
-    ASSERT_TRUE(send_with_fds(hoarders.back().fd, std::span<const std::uint8_t>(&first, 1),
-                              raw_of(ends, 200)));
-  }
-  ASSERT_TRUE(eventually([&] {
-    return stats_field(router_stats_text(socket()), " fds_held=") >= 2 * 200;
-  }, 10s)) << router_stats_text(socket());
+  for (int i = 0; i < 2; ++i) hoarders.push_back(hoard(ends, connect));
+  ASSERT_TRUE(eventually([&] { return fds_held() >= 400; }, 10s)) << router_stats_text(socket());
+  EXPECT_EQ(stats_field(client_line(id_), " fds_held="), 200) << client_line(id_);
 
-  // Another client's fd is refused now, with the reason; its connection stays.
+  // Another client, holding nothing, still passes its fd: the frame is
+  // answered for what it is (a handle nobody serves), not for the budget.
   RawPeer b = raw_client(kFlagFdPassing);
   const std::uint32_t b_id = id_;
   int one = ends[0].get();
-  ASSERT_TRUE(send_with_fds(b.fd, one_fd_frame(b_id, 71), std::span<const int>(&one, 1)));
   Message d;
+  ASSERT_TRUE(send_with_fds(b.fd, one_fd_frame(b_id, 71), std::span<const int>(&one, 1)));
   ASSERT_TRUE(b.read_frame_for(b_id, 71, d, 20s)) << router_->log();
   EXPECT_TRUE(d.is_dead());
+  EXPECT_FALSE(d.text().starts_with(fdreason::kFdBudgetSpent)) << d.text();
+
+  // A third hoarder, holding nothing either, is given its fds: 600, twice
+  // the limit. Past that nobody's are taken: b's next fd is refused, with
+  // the reason, and its connection stays.
+  hoarders.push_back(hoard(ends, connect));
+  ASSERT_TRUE(eventually([&] { return fds_held() >= 600; }, 10s)) << router_stats_text(socket());
+  ASSERT_TRUE(send_with_fds(b.fd, one_fd_frame(b_id, 72), std::span<const int>(&one, 1)));
+  ASSERT_TRUE(b.read_frame_for(b_id, 72, d, 20s)) << router_->log();
+  EXPECT_TRUE(d.is_dead());
   EXPECT_TRUE(d.text().starts_with(fdreason::kFdBudgetSpent)) << d.text();
-  EXPECT_LE(count_open_fds(router_->pid()), before + 2 * 200 + 8) << "the refused fd was kept";
+  EXPECT_LE(count_open_fds(router_->pid()), before + 3 * 200 + 8) << "the refused fd was kept";
 
   // The hoarders are cut off once their fds wait longer than the stall
   // timeout for the rest of their frames; what they held is let go.
   for (RawPeer& h : hoarders) EXPECT_TRUE(h.wait_eof(nullptr, 20s)) << router_->log();
   EXPECT_TRUE(logged("fds with frames it did not complete within 2000 ms")) << router_->log();
-  ASSERT_TRUE(eventually([&] {
-    return stats_field(router_stats_text(socket()), " fds_held=") == 0;
-  }, 10s)) << router_stats_text(socket());
+  ASSERT_TRUE(eventually([&] { return fds_held() == 0; }, 10s)) << router_stats_text(socket());
   EXPECT_LE(count_open_fds(router_->pid()), before + 8);
 
-  // With room again, the same client's fd is taken: the frame is answered
-  // for what it is (a handle nobody serves), not for the budget.
-  ASSERT_TRUE(send_with_fds(b.fd, one_fd_frame(b_id, 72), std::span<const int>(&one, 1)));
-  ASSERT_TRUE(b.read_frame_for(b_id, 72, d, 20s)) << router_->log();
+  // With room again, b's fd is taken.
+  ASSERT_TRUE(send_with_fds(b.fd, one_fd_frame(b_id, 73), std::span<const int>(&one, 1)));
+  ASSERT_TRUE(b.read_frame_for(b_id, 73, d, 20s)) << router_->log();
   EXPECT_TRUE(d.is_dead());
   EXPECT_FALSE(d.text().starts_with(fdreason::kFdBudgetSpent)) << d.text();
   expect_served("fds hoarded past the router's fd limit");
