@@ -136,7 +136,6 @@ class FdBudget : public std::enable_shared_from_this<FdBudget> {
   explicit FdBudget(std::size_t limit) : limit_(limit) {}
   std::size_t held() const { return held_.load(std::memory_order_relaxed); }
   std::size_t limit() const { return limit_; }
-  bool spent() const { return held() >= limit_; }
   // Whether fds from the peer of `a` are taken now (the rule above).
   bool admits(const Account& a) const;
   // `n` fds held until the returned charge goes (whoever holds them shares

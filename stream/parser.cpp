@@ -71,14 +71,16 @@ bool FrameParser::wants_direct_body(const Header& h) const {
 // Charges the whole body before its buffer exists. An untrusted peer's body
 // must fit its allowance (its own limit and the global one) now; charged
 // regardless, a header alone would make the router hold (or promise) up to
-// the maximum message size, and every client could send one.
+// the maximum message size, and every client could send one. A body that
+// fits at once asks for no relief (reserve() would wake every paused link at
+// the next release, for each large body).
 bool FrameParser::reserve_body(const Header& h) {
   if (!account_) return true;
   if (charge_ == PeerCharge::kAlways) {
     account_->charge(h.length);
     return true;
   }
-  return account_->reserve(h.length);
+  return account_->try_charge_within(h.length) || account_->reserve(h.length);
 }
 
 // Consumes the (validated) header and the body bytes buffered so far into one

@@ -31,7 +31,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <system_error>

@@ -143,9 +143,9 @@ struct StreamOptions {
   //   held only as long as an honest sender takes.
   bool untrusted = false;
   // The fds this process holds for all its peers (shared by a router's
-  // links; may be null). Past its limit an untrusted peer's fds are not
-  // taken, and an untrusted peer's fds must be bound to their frames within
-  // stall_timeout (a frame never completed must not pin them).
+  // links; may be null). An untrusted peer's fds are taken only while the
+  // budget admits them (FdBudget::admits), and must be bound to their frames
+  // within stall_timeout (a frame never completed must not pin them).
   std::shared_ptr<FdBudget> fd_budget;
   // Once a goodbye is flushed, close without waiting for the peer's EOF. For
   // a pipe link whose peer sees our EOF only when we exit: an agent behind
@@ -285,6 +285,10 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void input_turn();
   bool over_limit();
   void make_parser();
+  // How what the peer sends is charged to its account (its large and memfd bodies).
+  PeerCharge peer_charge() const {
+    return opts_.untrusted ? PeerCharge::kWithinLimits : PeerCharge::kAlways;
+  }
   bool fail_handshake(const std::string& error);  // returns false
   void wait_for_memory(std::size_t body_size);
   void watch_body();  // untrusted: times the large body under way

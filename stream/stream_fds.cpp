@@ -152,8 +152,7 @@ bool Stream::bind_fds(Message& m) {
   }
   if (prefix->memfd_body()) {
     std::string err;
-    auto body = SealedMemfd::adopt(std::move(fds.front()), err, account_,
-                                   opts_.untrusted ? PeerCharge::kWithinLimits : PeerCharge::kAlways);
+    auto body = SealedMemfd::adopt(std::move(fds.front()), err, account_, peer_charge());
     fds.erase(fds.begin());
     if (body && body->size() > opts_.max_message_size)
       err = fmt::format("message too large: {} bytes exceeds the maximum of {}", body->size(),

@@ -105,14 +105,12 @@ std::uint32_t untrusted_receive_limit(std::uint32_t max_message_size, std::size_
 }
 
 void Stream::make_parser() {
-  if (!opts_.untrusted) {
-    parser_.emplace(rx_, opts_.max_message_size);
-    parser_->set_account(account_, PeerCharge::kAlways);
-    return;
-  }
-  parser_.emplace(rx_, untrusted_receive_limit(opts_.max_message_size, opts_.memory_limit,
-                                               opts_.budget ? opts_.budget->limit() : SIZE_MAX));
-  parser_->set_account(account_, PeerCharge::kWithinLimits);
+  const std::uint32_t max =
+      opts_.untrusted ? untrusted_receive_limit(opts_.max_message_size, opts_.memory_limit,
+                                                opts_.budget ? opts_.budget->limit() : SIZE_MAX)
+                      : opts_.max_message_size;
+  parser_.emplace(rx_, max);
+  parser_->set_account(account_, peer_charge());
 }
 
 // An untrusted peer's large body does not fit its allowance yet: stop reading
