@@ -92,13 +92,16 @@ struct SelectCore {
   Got next_pending() {
     auto it = pending.upper_bound(last_turn);
     if (it == pending.end()) {
-      for (;;) {  // the Select's turn
-        Got got = from_select(std::chrono::nanoseconds(0));
-        if (!got) break;
-        if (!keep_order(got)) {
-          last_turn = 0;
-          return got;
-        }
+      // The Select's turn: one message. One of a receiver that still has
+      // some pending joins them (its order), and they are served instead:
+      // so what is pending grows by at most one for each message served,
+      // never past what the move brought, and the rest waits in the
+      // Select's bounded lanes. (Taking every such message at once moved a
+      // whole lane here on each turn, without bound.)
+      Got got = from_select(std::chrono::nanoseconds(0));
+      if (got && !keep_order(got)) {
+        last_turn = 0;
+        return got;
       }
       it = pending.begin();
     }
@@ -358,7 +361,13 @@ void bind_messages(py::module_& m) {
         py::gil_scoped_release nogil;
         close_core(c);
       })
-      .def("abandon", [](std::shared_ptr<SelectCore>& c) { new std::shared_ptr<SelectCore>(c); });
+      .def("abandon", [](std::shared_ptr<SelectCore>& c) { new std::shared_ptr<SelectCore>(c); })
+      .def("_pending", [](SelectCore& c) {  // for the tests: messages kept beside the Select
+        std::lock_guard lk(c.mu);
+        std::size_t n = 0;
+        for (const auto& [_, q] : c.pending) n += q.size();
+        return n;
+      });
 
   py::class_<PyReceiver, std::shared_ptr<PyReceiver>>(m, "ReceiverCore")
       .def_readonly("handle", &PyReceiver::handle)

@@ -34,6 +34,7 @@ std::shared_ptr<Stream> Router::add_client_stream(int fd, const std::string& nam
   auto s = Stream::create(broker_, fd, fd, std::move(so), std::move(handshake), this);
   Link& l = register_link(s, StreamRole::kChild, 0, name);
   l.client = opts;
+  l.state = Charge(std::make_shared<Account>(opts_.peer_memory_limit, state_budget_), 0);
   ++clients_;
   s->start();
   return s;
@@ -49,6 +50,7 @@ void Router::client_opened(Link& l) {
   // A Mitogen peer decodes only "MI": every frame to it goes past the broker's
   // check (refuse_undecodable), never straight from an application thread.
   if (l.dialect == Dialect::kMitogen) s.port()->gate.close();
+  l.state.add(kRouteStateBytes);  // its own route: one per client, never refused
   add_route(p.remote_id, l);
   log().info("stream={} client ctx={} pid={} uid={} connected ({} dialect{})", s.name(),
              p.remote_id, l.client->pid, l.client->uid,
@@ -88,6 +90,7 @@ std::vector<ClientStats> Router::client_stats() {
       c.memory_held = l->stream->account()->held();
       c.memory_peak = l->stream->account()->peak();
       c.fds_held = l->stream->account()->fds();
+      c.state_held = l->state.bytes();
       c.paused = l->stream->reading_paused();
       c.held = l->stream->held_for_peer();
       c.holds = st.peer_holds;

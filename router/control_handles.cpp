@@ -76,14 +76,27 @@ bool Router::accept_add_route(Link& in, std::uint32_t target) {
   if (in.behind.size() >= kMaxRoutesPerLink)
     return refuse(fmt::format("the link already routes {} contexts (limit {})", in.behind.size(),
                               kMaxRoutesPerLink));
-  if (!parent_) {
-    // The root: only the link that asked for the id, and only once.
-    if (!in.allocated.claim(target)) return refuse(reason::kNotYourId);
-  } else if (holds_spare_id(target)) {
+  if (parent_ && holds_spare_id(target)) {
     // Ours, for a child not forked yet: the root would accept it from us.
     return refuse(reason::kNotYourId);
   }
+  // A client pays for the routes it announces, within its allowance: the
+  // per-link limit alone let 4,096 clients make the router keep some 270
+  // million routes. Charged before the claim, so that a refusal for room
+  // leaves the id claimable.
+  if (!in.state.grow(kRouteStateBytes)) return refuse(route_state_spent(in));
+  // The root: only the link that asked for the id, and only once.
+  if (!parent_ && !in.allocated.claim(target)) {
+    in.state.shrink(kRouteStateBytes);
+    return refuse(reason::kNotYourId);
+  }
   return true;
+}
+
+std::string Router::route_state_spent(const Link& in) const {
+  return fmt::format("{} for routes: a context behind a link costs it {} bytes, a context it sends to {} ({})",
+                     reason::kMemoryLimit, kRouteStateBytes, kEgressStateBytes,
+                     in.state.account() ? in.state.account()->holdings() : "");
 }
 
 void Router::forward_log(Link& in, const Message& m) {

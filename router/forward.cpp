@@ -59,7 +59,19 @@ void Router::note_egress(Link& in, std::uint32_t dst) {
   // Only a context that exists can later be gone: recording any other id
   // would let a peer grow this set without bound by writing to random ids.
   if (dst == id() || routes_.count(dst) || parent_) {
-    if (in.egress.insert(dst).second) talkers_[dst].insert(&in);
+    if (in.egress.contains(dst)) {
+      in.last_egress = dst;
+      return;
+    }
+    // Charged to the sender. The frame is not refused when the charge does
+    // not fit (it is delivered): the sender is only not told when `dst`
+    // goes, and learns it from a dead reply when it next writes there.
+    if (!in.state.grow(kEgressStateBytes))
+      return note_refusal(in, "departure notice",
+                          fmt::format("context {} will not be told when context {} goes: {}",
+                                      in.remote_id, dst, route_state_spent(in)));
+    in.egress.insert(dst);
+    talkers_[dst].insert(&in);
     in.last_egress = dst;
   }
 }

@@ -109,8 +109,10 @@ Router::Link* Router::route_for(std::uint32_t dst) {
 void Router::add_route(std::uint32_t id, Link& via) {
   // A new child link over an id that another link announced: the id is the
   // new link's now, so the old one's departure must not take it away.
+  // Every context behind a link was charged to it (Link::state): the caller
+  // charged `via`, and the old link is given its charge back.
   Link*& route = routes_[id];
-  if (route && route != &via) route->behind.erase(id);
+  if (route && route != &via && route->behind.erase(id)) route->state.shrink(kRouteStateBytes);
   route = &via;
   via.behind.insert(id);
   {
@@ -125,7 +127,7 @@ void Router::add_route(std::uint32_t id, Link& via) {
 void Router::remove_route(std::uint32_t id) {
   auto it = routes_.find(id);
   if (it == routes_.end()) return;
-  it->second->behind.erase(id);
+  if (it->second->behind.erase(id)) it->second->state.shrink(kRouteStateBytes);
   routes_.erase(it);
   {
     std::lock_guard lk(ports_mu_);
@@ -205,7 +207,7 @@ std::size_t Router::contexts_gone(const std::vector<std::uint32_t>& gone, const 
     auto t = talkers_.find(id);
     if (t != talkers_.end()) {
       for (Link* l : t->second) {
-        l->egress.erase(id);
+        if (l->egress.erase(id)) l->state.shrink(kEgressStateBytes);
         if (l != parent_) tell.insert(l);
       }
       talkers_.erase(t);

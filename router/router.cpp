@@ -54,6 +54,7 @@ Router::Router(Broker& broker, RouterOptions opts)
       serial_(g_router_serial.fetch_add(1)),
       budget_(std::make_shared<MemoryBudget>(opts_.memory_limit)),
       fd_budget_(std::make_shared<FdBudget>(fd_limit_for(opts_.fd_limit))),
+      state_budget_(std::make_shared<MemoryBudget>(opts_.memory_limit)),
       relief_(std::make_shared<BudgetRelief>()),
       calls_(&broker),
       outbox_(opts_.outbox_size),
@@ -226,6 +227,8 @@ RouterStats Router::stats() {
     s.memory_limit = budget_->limit();
     s.fds_held = fd_budget_->held();
     s.fd_limit = fd_budget_->limit();
+    s.state_held = state_budget_->held();
+    s.state_limit = state_budget_->limit();
     for (const auto& [stream, link] : links_)
       s.direct_writes += stream->port()->direct_writes.load(std::memory_order_relaxed);
     return s;

@@ -95,6 +95,7 @@ struct ClientStats {
   std::size_t queued_bytes = 0;
   std::size_t memory_held = 0, memory_peak = 0;  // its Account
   std::size_t fds_held = 0;                      // fds it sent that are still held
+  std::size_t state_held = 0;                    // its routes and egress (Link::state)
   bool paused = false;          // not read: over its memory limit
   bool held = false;            // not read: a destination of its frames is over its mark
   std::uint64_t holds = 0;      // times that happened
@@ -114,12 +115,21 @@ struct RouterStats {
   std::size_t pending_calls = 0;
   std::size_t memory_held = 0, memory_peak = 0, memory_limit = 0;  // all peers together
   std::size_t fds_held = 0, fd_limit = 0;  // fds held for all peers (FdBudget)
+  std::size_t state_held = 0, state_limit = 0;  // routes kept for clients (Link::state)
 };
 
 class Router : public StreamListener, public ShutdownParticipant {
  public:
   using Clock = std::chrono::steady_clock;
   static constexpr std::chrono::milliseconds kDefaultSendTimeout{30000};
+  // What a client's link costs it (Link::state) for each context routed
+  // through it (the route, its port, the link's set; the name and
+  // disconnect watcher the context may register) and for each context it
+  // sent to (its egress and talker entries). Rounded up from what they
+  // cost: a route without a name grew the router's RSS by about 230 bytes
+  // (Hardening.TheRoutesAClientAnnouncesAreChargedToItAndShared prints it).
+  static constexpr std::size_t kRouteStateBytes = 512;
+  static constexpr std::size_t kEgressStateBytes = 128;
 
   explicit Router(Broker& broker, RouterOptions opts = {});
   ~Router() override;
@@ -256,6 +266,13 @@ class Router : public StreamListener, public ShutdownParticipant {
     // fds this peer has in flight through us (released as they are written).
     std::shared_ptr<std::atomic<std::size_t>> fds_in_flight =
         std::make_shared<std::atomic<std::size_t>>(0);
+    // A listener's client only (an untrusted peer): what this router keeps
+    // for it beyond its messages, kRouteStateBytes for each context behind
+    // it and kEgressStateBytes for each context it sent to, charged to an
+    // account of its own on state_budget_ (peer_memory_limit each). Empty,
+    // and never charged, for other links (our own children and parent),
+    // whose routes only the per-link limit bounds.
+    Charge state;
   };
   // The stream a sender on another thread charges and may write to.
   struct PortRef {
@@ -303,6 +320,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   // once they are all handed out (never wraps). Returns the first and count.
   std::optional<std::pair<std::uint32_t, std::uint32_t>> take_ids(std::uint32_t count);
   bool accept_add_route(Link& in, std::uint32_t target);
+  // Why `in.state` refused a charge: the costs and what it and all hold.
+  std::string route_state_spent(const Link& in) const;
   // Non-root: whether `id` waits in this router's block for a child of its own.
   bool holds_spare_id(std::uint32_t id);
   void forward_log(Link& in, const Message& m);
@@ -371,6 +390,10 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::atomic<bool> parent_up_{false};
   std::shared_ptr<MemoryBudget> budget_;
   std::shared_ptr<FdBudget> fd_budget_;
+  // What clients make us keep beyond their messages (Link::state): a budget
+  // of its own, of the same size as budget_, so that routes, which stay,
+  // never crowd out the messages, which pass.
+  std::shared_ptr<MemoryBudget> state_budget_;
   std::shared_ptr<BudgetRelief> relief_;
   CallTable calls_;
   Outbox outbox_;

@@ -38,18 +38,19 @@ std::string format_stats(Router& router, Listener* listener) {
   std::string out = fmt::format(
       "router id={} pid={} fds={} clients={} routed={} delivered={} dead_replies={} accepted={} "
       "refused_uid={} refused_full={} refused_no_fds={} memory_held={} memory_peak={} memory_limit={} "
-      "routes={} departures={} departure_steps={} fds_held={} fd_limit={}\n",
+      "routes={} departures={} departure_steps={} fds_held={} fd_limit={} state_held={} state_limit={}\n",
       router.id(), ::getpid(), open_fds(), clients.size(), rs.routed, rs.delivered_locally, rs.dead_replies,
       ls.accepted, ls.refused_uid, ls.refused_full, ls.refused_no_fds, rs.memory_held, rs.memory_peak,
-      rs.memory_limit, rs.routes, rs.departures, rs.departure_steps, rs.fds_held, rs.fd_limit);
+      rs.memory_limit, rs.routes, rs.departures, rs.departure_steps, rs.fds_held, rs.fd_limit, rs.state_held,
+      rs.state_limit);
   for (const ClientStats& c : clients)
     out += fmt::format(
         "client id={} name={} dialect={} pid={} uid={} messages_in={} messages_out={} "
         "bytes_in={} bytes_out={} queued_bytes={} memory_held={} memory_peak={} paused={} held={} "
-        "holds={} fds_held={}\n",
+        "holds={} fds_held={} state_held={}\n",
         c.id, c.name, c.dialect == Dialect::kMitogen ? "mitogen" : "spindle", c.pid, c.uid,
         c.messages_in, c.messages_out, c.bytes_in, c.bytes_out, c.queued_bytes, c.memory_held,
-        c.memory_peak, c.paused ? 1 : 0, c.held ? 1 : 0, c.holds, c.fds_held);
+        c.memory_peak, c.paused ? 1 : 0, c.held ? 1 : 0, c.holds, c.fds_held, c.state_held);
   return out;
 }
 

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 namespace spindle {
 namespace {
 
@@ -77,6 +79,10 @@ bool Account::try_charge_within(std::size_t n) {
   // threads could each pass the check. A router's streams all adopt their
   // memfds on its broker thread, one after another, so for them it is exact.
   if (budget_ && budget_->held() + n > budget_->limit()) return false;
+  return charge_within_own_limit(n);
+}
+
+bool Account::charge_within_own_limit(std::size_t n) {
   std::size_t cur = held_.load(std::memory_order_relaxed);
   do {
     if (cur + n > limit_) return false;
@@ -86,10 +92,24 @@ bool Account::try_charge_within(std::size_t n) {
   return true;
 }
 
+bool Account::try_charge_fair(std::size_t n) {
+  if (budget_) {
+    const std::size_t total = budget_->held() + n;
+    if (total > 2 * budget_->limit()) return false;
+    if (total > budget_->limit() && held() + n > budget_->fair_share()) return false;
+  }
+  return charge_within_own_limit(n);
+}
+
 bool Account::reserve(std::size_t n) {
   was_over_.store(true, std::memory_order_release);
   if (budget_) budget_->was_over_.store(true, std::memory_order_release);
   return try_charge_within(n);
+}
+
+std::string Account::holdings() const {
+  return fmt::format("it holds {} of its {} limit{}", held(), limit_,
+                     budget_ ? fmt::format("; the router holds {} of {}", budget_->held(), budget_->limit()) : "");
 }
 
 void Account::release(std::size_t n) {

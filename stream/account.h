@@ -20,10 +20,12 @@
 // Ownership: shared (shared_ptr): charges keep their account alive.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "spindle/options.h"
@@ -92,6 +94,12 @@ class Account {
   // attempt: a release in between is not missed (at worst one relief runs
   // for nothing).
   bool reserve(std::size_t n);
+  // For what a peer makes us keep for good (a router's routes for a client):
+  // succeeds if, after it, this account is within its limit and either the
+  // budget is within its own, or this account holds no more than its fair
+  // share and the budget no more than twice its limit. Past the budget, a
+  // peer holding little is still served: FdBudget::admits' rule, in bytes.
+  bool try_charge_fair(std::size_t n);
   void release(std::size_t n);
 
   std::size_t held() const { return held_.load(std::memory_order_relaxed); }
@@ -106,10 +114,14 @@ class Account {
   void on_relief(std::function<void()> fn) { relief_ = std::move(fn); }
   // fds received from this peer and still held (FdBudget::charge).
   std::size_t fds() const { return fds_.load(std::memory_order_relaxed); }
+  // "it holds <h> of its <l> limit; the router holds <g> of <m>": the end
+  // of every refusal for want of room.
+  std::string holdings() const;
 
  private:
   friend class FdBudget;
   bool over_with(std::size_t held) const;
+  bool charge_within_own_limit(std::size_t n);  // and the budget, unchecked
   std::atomic<std::size_t> fds_{0};
 
   const std::size_t limit_;
@@ -167,6 +179,27 @@ class Charge {
 
   std::size_t bytes() const { return n_; }
   explicit operator bool() const { return account_ != nullptr; }
+  const std::shared_ptr<Account>& account() const { return account_; }
+  // For state that grows and shrinks with a peer's requests (a router's
+  // routes for a client): grow() adds `n` bytes if try_charge_fair() takes
+  // them (false, nothing charged, if not); add() always does. Without an
+  // account nothing is charged, and grow() succeeds.
+  bool grow(std::size_t n) {
+    if (account_ && !account_->try_charge_fair(n)) return false;
+    if (account_) n_ += n;
+    return true;
+  }
+  void add(std::size_t n) {
+    if (!account_) return;
+    account_->charge(n);
+    n_ += n;
+  }
+  void shrink(std::size_t n) {
+    if (!account_) return;
+    n = std::min(n, n_);
+    n_ -= n;
+    account_->release(n);
+  }
   void reset() {
     if (account_ && n_) account_->release(n_);
     account_.reset();

@@ -107,10 +107,7 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& 
     if (how == PeerCharge::kAlways) {
       account->charge(size);
     } else if (!account->try_charge_within(size)) {
-      const auto& b = account->budget();
-      error = fmt::format("{} bytes do not fit the sender's memory allowance (it holds {} of its {} limit{})",
-                          size, account->held(), account->limit(),
-                          b ? fmt::format("; the router holds {} of {}", b->held(), b->limit()) : "");
+      error = fmt::format("{} bytes do not fit the sender's memory allowance ({})", size, account->holdings());
       return nullptr;
     }
   }

@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -214,6 +215,41 @@ class RawPeer {
       if (seen) seen->push_back(std::move(m));
     }
     return false;
+  }
+  // Asks the root for `n` ids, one ALLOCATE_ID each and at most 1,024 at a
+  // time (what a link may hold unannounced), and announces each with
+  // ADD_ROUTE, as a client with children behind it does (`self` is this
+  // peer's id). Returns the ids granted. Throws Error if a request is
+  // refused or unanswered.
+  std::vector<std::uint32_t> allocate_and_announce(std::uint32_t self, std::size_t n) {
+    constexpr std::size_t kWindow = 1024;
+    std::vector<std::uint32_t> ids;
+    for (std::size_t done = 0; done < n;) {
+      const std::size_t window = std::min(kWindow, n - done);
+      std::string batch;
+      // reply_to from 1000 up: 999 is IS_DEAD, and a dead request gets no answer.
+      for (std::size_t k = 0; k < window; ++k)
+        batch += frame_bytes(frame(0, self, self, kHandleAllocateId, static_cast<std::uint32_t>(1000 + k), kEncMitogen), "");
+      write_all(batch);
+      std::vector<std::uint32_t> granted;
+      for (std::size_t k = 0; k < window; ++k) {
+        Message m;
+        if (!read_frame_for(self, static_cast<std::uint32_t>(1000 + k), m))
+          throw Error("raw peer: ALLOCATE_ID " + std::to_string(done + k) + " got no answer");
+        if (m.header.is_dead()) throw Error("raw peer: ALLOCATE_ID refused: " + m.text());
+        granted.push_back(static_cast<std::uint32_t>(std::stoul(m.text())));
+      }
+      announce(self, granted);
+      ids.insert(ids.end(), granted.begin(), granted.end());
+      done += window;
+    }
+    return ids;
+  }
+  // ADD_ROUTE for each of `ids`, in one write.
+  void announce(std::uint32_t self, const std::vector<std::uint32_t>& ids) {
+    std::string batch;
+    for (std::uint32_t id : ids) batch += frame_bytes(frame(0, self, self, kHandleAddRoute, 0, kEncMitogen), std::to_string(id));
+    write_all(batch);
   }
   // Says goodbye (EOF) and waits for the router to answer with its own EOF,
   // so the router has no link left when it is destroyed.

@@ -22,7 +22,6 @@ using namespace testutil;
 using namespace std::chrono_literals;
 
 constexpr std::size_t kRoutesPerLink = 65536;     // the router's limit (PROTOCOL.md §7.3.2)
-constexpr std::size_t kAllocationWindow = 1024;  // allocated, not yet announced, at most
 
 struct DepartureCount {
   long long departures = 0, steps = 0, routes = 0;
@@ -34,32 +33,6 @@ class DepartureCost : public RouterFixture {
     const std::string s = router_stats_text(socket());
     return {stats_field(s, " departures="), stats_field(s, " departure_steps="), stats_field(s, " routes=")};
   }
-  // Allocates `n` ids on `peer`'s link (context `self`), a window at a time,
-  // and announces each with ADD_ROUTE, as a child with contexts behind it
-  // does. The ids go to `ids`.
-  static void announce_ids(RawPeer& peer, std::uint32_t self, std::size_t n,
-                           std::vector<std::uint32_t>& ids) {
-    for (std::size_t done = 0; done < n;) {
-      const std::size_t window = std::min(kAllocationWindow, n - done);
-      std::string batch;
-      // reply_to from 1000 up: 999 is IS_DEAD, and a dead request gets no answer.
-      for (std::size_t k = 0; k < window; ++k)
-        batch += frame_bytes(frame(0, self, self, kHandleAllocateId, static_cast<std::uint32_t>(1000 + k),
-                                   kEncMitogen), "");
-      peer.write_all(batch);
-      batch.clear();
-      for (std::size_t k = 0; k < window; ++k) {
-        Message granted;
-        ASSERT_TRUE(peer.read_frame_for(self, static_cast<std::uint32_t>(1000 + k), granted, 20s))
-            << "ALLOCATE_ID " << done + k << " got no answer";
-        ASSERT_FALSE(granted.header.is_dead()) << granted.text();
-        ids.push_back(static_cast<std::uint32_t>(std::stoul(granted.text())));
-        batch += frame_bytes(frame(0, self, self, kHandleAddRoute, 0, kEncMitogen), granted.text());
-      }
-      peer.write_all(batch);
-      done += window;
-    }
-  }
 };
 
 TEST_F(DepartureCost, ALinksDepartureVisitsOnlyWhatItOwned) {
@@ -67,8 +40,7 @@ TEST_F(DepartureCost, ALinksDepartureVisitsOnlyWhatItOwned) {
   RawPeer big = raw_client();
   const std::uint32_t big_id = id_;
   // Its own id is one route already: kRoutesPerLink in all.
-  std::vector<std::uint32_t> behind_big;
-  ASSERT_NO_FATAL_FAILURE(announce_ids(big, big_id, kRoutesPerLink - 1, behind_big));
+  const std::vector<std::uint32_t> behind_big = big.allocate_and_announce(big_id, kRoutesPerLink - 1);
   ASSERT_TRUE(eventually([&] { return count().routes >= static_cast<long long>(kRoutesPerLink); }, 60s))
       << "the router holds " << count().routes << " routes";
 

@@ -162,6 +162,29 @@ def test_select_keeps_what_a_receiver_had_queued(router):
             spindle.Select([rx])
 
 
+def test_what_a_moved_receiver_keeps_beside_the_select_stays_bounded(router):
+    # What a receiver had queued moves with it and is served first, in
+    # order; what arrives meanwhile waits in the Select's lanes, which are
+    # bounded, and joins the moved ones one at a time. Before, each turn of
+    # the Select took all of it out of the lanes, so a flooded receiver's
+    # messages piled up beside the Select without bound.
+    rx = router.receiver()
+    me = router.context(router.id)
+    for i in range(10):
+        me.send(rx.handle, i)
+    first = rx.get(timeout=BOUND)  # the other 9 are queued behind it
+    with spindle.Select() as sel:
+        sel.add(rx)
+        for i in range(10, 1010):
+            me.send(rx.handle, i)
+        got, most = [first.data], 0
+        for _ in range(1009):
+            got.append(sel.get(timeout=BOUND).data)
+            most = max(most, sel._core._pending())
+        assert got == list(range(1010))
+        assert most <= 10
+
+
 def test_a_thread_waiting_in_get_gets_a_message_sent_later(router, child):
     with router.receiver() as rx:
         result = []
