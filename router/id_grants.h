@@ -33,21 +33,30 @@ class IdGrants {
     ids_ += count;
   }
 
+  // Whether `id` was granted here and is not announced yet.
+  bool holds(std::uint32_t id) const { return block_of(unannounced_, id) != unannounced_.end(); }
   // Whether `id` was granted here and not announced yet; if so it is
   // announced now, so a second claim of it fails.
   bool claim(std::uint32_t id) {
-    auto it = unannounced_.upper_bound(id);
-    if (it == unannounced_.begin()) return false;
-    --it;
-    const std::uint32_t offset = id - it->first;
-    if (offset >= 64 || !(it->second >> offset & 1)) return false;
-    it->second &= ~(std::uint64_t{1} << offset);
+    auto it = block_of(unannounced_, id);
+    if (it == unannounced_.end()) return false;
+    it->second &= ~(std::uint64_t{1} << (id - it->first));
     --ids_;
     if (it->second == 0) unannounced_.erase(it);
     return true;
   }
 
  private:
+  // The block in `m` where `id` is unannounced, or m.end().
+  template <class Map>
+  static auto block_of(Map& m, std::uint32_t id) -> decltype(m.begin()) {
+    auto it = m.upper_bound(id);
+    if (it == m.begin()) return m.end();
+    --it;
+    const std::uint32_t offset = id - it->first;
+    return offset < 64 && (it->second >> offset & 1) ? it : m.end();
+  }
+
   std::map<std::uint32_t, std::uint64_t> unannounced_;  // first id -> bit i: first + i unannounced
   std::size_t ids_ = 0;
 };

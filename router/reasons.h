@@ -29,7 +29,7 @@ inline constexpr std::string_view kBadMemfd = fdreason::kBadMemfd;
 inline constexpr std::string_view kFdQuota = "fd quota exceeded";
 // Accounting and authority (docs/PROTOCOL.md §14, §2.10).
 inline constexpr std::string_view kMemoryLimit = "over the memory limit";
-inline constexpr std::string_view kIdsExhausted = "context ids exhausted: this router has handed out every id";
+inline constexpr std::string_view kIdsExhausted = "context ids exhausted: no id is free";
 inline constexpr std::string_view kNotYourId = "refused: the id was not allocated to this link";
 inline constexpr std::string_view kNotFromCallee = "reply from unexpected context";
 

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <limits>
 
 #include <fmt/format.h>
 
@@ -159,60 +158,6 @@ bool Router::watch_if_routed(std::uint32_t context_id, std::function<void(const 
   auto f = done.get_future();
   if (!broker_.try_defer([&] { done.set_value(watch()); })) return false;
   return f.get();
-}
-
-std::uint32_t Router::allocate_id() {
-  if (!parent_id()) {
-    if (auto ids = take_ids(1)) return ids->first;
-    throw Error(std::string(reason::kIdsExhausted));
-  }
-  // Refused there even when a spare id would not block: one rule, whatever
-  // the block holds.
-  if (broker_.on_broker_thread()) throw Error("allocate_id() would block the broker thread");
-  {
-    std::lock_guard lk(spare_ids_mu_);
-    if (!spare_ids_.empty()) {
-      const std::uint32_t id = spare_ids_.back();
-      spare_ids_.pop_back();
-      return id;
-    }
-  }
-  // A block, not one id (PROTOCOL.md 6.4): the next children of this
-  // context cost no round trip to the root, which may be hosts away.
-  Message reply = call(Message::make(0, kHandleAllocateId, Payload::copy_of(std::to_string(IdGrants::kMaxIdBlock)),
-                                     kEncMitogen),
-                       std::chrono::milliseconds(10000));
-  auto range = parse_id_range(reply.text());
-  if (!range || range->second > IdGrants::kMaxIdBlock) throw Error("malformed ALLOCATE_ID reply: " + reply.text());
-  const auto [first, count] = *range;
-  std::lock_guard lk(spare_ids_mu_);
-  // Kept descending, so that children get ascending ids; a block that
-  // another thread fetched at the same time simply joins this one.
-  for (std::uint32_t i = 1; i < count; ++i) spare_ids_.push_back(first + i);
-  std::sort(spare_ids_.begin(), spare_ids_.end(), std::greater<>());
-  return first;
-}
-
-bool Router::holds_spare_id(std::uint32_t id) {
-  std::lock_guard lk(spare_ids_mu_);
-  return std::find(spare_ids_.begin(), spare_ids_.end(), id) != spare_ids_.end();
-}
-
-// One counter for every caller (allocate_id() on any thread, ALLOCATE_ID on
-// the broker's): a compare-and-swap, so two callers never get the same id.
-std::optional<std::pair<std::uint32_t, std::uint32_t>> Router::take_ids(std::uint32_t count) {
-  std::uint32_t next = next_id_.load(), n = 0;
-  do {
-    if (next == std::numeric_limits<std::uint32_t>::max()) return std::nullopt;
-    n = std::min(count, std::numeric_limits<std::uint32_t>::max() - next);
-  } while (!next_id_.compare_exchange_weak(next, next + n));
-  return std::pair{next, n};
-}
-
-void Router::skip_ids_for_testing(std::uint32_t next) {
-  std::uint32_t cur = next_id_.load();
-  while (cur < next && !next_id_.compare_exchange_weak(cur, next)) {
-  }
 }
 
 RouterStats Router::stats() {

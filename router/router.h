@@ -182,9 +182,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   // Blocks for a broker round trip when called on another thread.
   bool watch_if_routed(std::uint32_t context_id, std::function<void(const std::string&)> fn);
   std::uint32_t allocate_id();
-  // Tests only (router/ is not the public API): the root's next id is at
-  // least `next`, so a test can reach the end of the id space. It only ever
-  // raises the counter: no id handed out before can be handed out again.
+  // Tests only (router/ is not the public API): the root's next fresh id is
+  // at least `next`, so a test can reach the end of the id space. It only
+  // ever raises the counter.
   void skip_ids_for_testing(std::uint32_t next);
   RouterStats stats();
   // While held, a message for a handle nobody registered yet waits (up to
@@ -316,9 +316,12 @@ class Router : public StreamListener, public ShutdownParticipant {
   void complete_call(Message&& m);
   bool handle_control(Link& in, Message& m);  // control_handles.cpp
   void allocate_for(Message&& m);
-  // Root: the next `count` ids (fewer at the end of the id space), or nothing
-  // once they are all handed out (never wraps). Returns the first and count.
-  std::optional<std::pair<std::uint32_t, std::uint32_t>> take_ids(std::uint32_t count);
+  // Root: the next `count` ids, or fewer (at the end of the id space, or
+  // where an id in use follows once it has wrapped round); nothing if no id
+  // is free. Returns the first and count.
+  std::optional<std::pair<std::uint32_t, std::uint32_t>> take_ids(std::uint32_t count);  // ids.cpp
+  std::optional<std::pair<std::uint32_t, std::uint32_t>> take_free_ids(std::uint32_t count);
+  bool id_in_use(std::uint32_t id) const;
   bool accept_add_route(Link& in, std::uint32_t target);
   // Why `in.state` refused a charge: the costs and what it and all hold.
   std::string route_state_spent(const Link& in) const;
@@ -382,7 +385,11 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::shared_ptr<detail::RouterLink> link_ = std::make_shared<detail::RouterLink>();
   const std::uint64_t serial_;  // this router among all in the process (route caches)
   std::atomic<std::uint32_t> id_{0};
-  std::atomic<std::uint32_t> next_id_{1};  // root only
+  std::atomic<std::uint32_t> next_id_{1};  // root only: the next fresh id (ids.cpp)
+  // Root, broker thread: once no fresh id is left, where the search for an
+  // id not in use resumes, and whether that was logged.
+  std::uint32_t reuse_cursor_ = 1;
+  bool ids_wrapped_ = false;
   // Non-root: ids of the root's last block not used yet (allocate_id() takes
   // the lowest), so a sub-router forks most children without a round trip.
   std::mutex spare_ids_mu_;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -37,7 +38,10 @@ TEST(IdGrants, EachGrantedIdIsClaimedOnceAndNothingElse) {
   EXPECT_FALSE(g.claim(9));
   EXPECT_FALSE(g.claim(13));
   EXPECT_FALSE(g.claim(39));
+  EXPECT_TRUE(g.holds(11));
+  EXPECT_FALSE(g.holds(13));
   EXPECT_TRUE(g.claim(11));
+  EXPECT_FALSE(g.holds(11)) << "an announced id is still held";
   EXPECT_FALSE(g.claim(11)) << "an id was claimed twice";
   EXPECT_TRUE(g.claim(10));
   EXPECT_TRUE(g.claim(12));
@@ -75,6 +79,37 @@ TEST(IdBlocks, ARequestWithoutReplyToGetsNoReplyButItsIdIsSpent) {
   ASSERT_TRUE(peer.read_frame(first, 20s));
   EXPECT_EQ(first.header.handle, 7u) << "a reply came for a request without reply_to: " << first.text();
   EXPECT_EQ(first.text(), std::to_string(n + 2)) << "the silent request's id was not spent";
+  EXPECT_TRUE(peer.goodbye());
+}
+
+// Once the root has gone round the id space, a block is the run of free ids
+// from the first free one: it ends where an id in use (a route, or a grant
+// not yet announced) begins, and the next block starts past it.
+TEST(IdBlocks, PastTheEndOfTheIdSpaceABlockStopsAtTheFirstIdInUse) {
+  Broker broker;
+  Router router(broker, root_opts());
+  const std::uint32_t n = router.allocate_id();
+  // Two ids handed out and never routed: free again, once round.
+  const std::uint32_t unused = router.allocate_id();
+  router.allocate_id();
+  RawPeer peer;
+  ASSERT_TRUE(attach_raw(router, peer, n));
+  ASSERT_EQ(peer.handshake(), n);
+  Message m;
+  peer.send_frame(frame(0, n, n, kHandleAllocateId, 1001, kEncMitogen), "4");
+  ASSERT_TRUE(peer.read_frame_for(n, 1001, m, 20s));
+  const auto held = parse_id_range(m.text());  // granted, not announced: in use
+  ASSERT_TRUE(held) << m.text();
+
+  router.skip_ids_for_testing(std::numeric_limits<std::uint32_t>::max());
+  peer.send_frame(frame(0, n, n, kHandleAllocateId, 1002, kEncMitogen), "32");
+  ASSERT_TRUE(peer.read_frame_for(n, 1002, m, 20s));
+  EXPECT_EQ(parse_id_range(m.text()), (std::pair{unused, held->first - unused}))
+      << m.text() << ": from the first id not in use up to the grant";
+  peer.send_frame(frame(0, n, n, kHandleAllocateId, 1003, kEncMitogen), "32");
+  ASSERT_TRUE(peer.read_frame_for(n, 1003, m, 20s));
+  EXPECT_EQ(parse_id_range(m.text()), (std::pair{held->first + held->second, IdGrants::kMaxIdBlock}))
+      << m.text() << ": past the grant";
   EXPECT_TRUE(peer.goodbye());
 }
 
