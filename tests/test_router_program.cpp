@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -185,6 +186,14 @@ TEST(RouterProgram, SpindleCtlPrintsStatsAndPings) {
   EXPECT_TRUE(contains(out, "queued_bytes=")) << out;
   EXPECT_EQ(exit_code(run_program({SPINDLE_CTL_BINARY, "--socket", sock, "stats"}, &out, dir.path())), 0);
   EXPECT_TRUE(contains(out, "msgs in")) << out;
+  // What the router holds for its clients: a's own route is route state,
+  // in the last column of a's row.
+  EXPECT_TRUE(contains(out, "bytes of route state")) << out;
+  std::istringstream rows(out);
+  std::string a_row;
+  for (std::string line; std::getline(rows, line);)
+    if (contains(line, fmt::format("client-{}.pid", a->id()))) a_row = line;
+  EXPECT_TRUE(a_row.ends_with(fmt::format(" {}", Router::kRouteStateBytes))) << out;
   EXPECT_EQ(exit_code(run_program({SPINDLE_CTL_BINARY, "--socket", dir.path() + "/nothing.sock", "stats"}, &out, dir.path())), 1);
   EXPECT_TRUE(contains(out, "cannot connect")) << out;
 }

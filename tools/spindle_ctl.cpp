@@ -45,7 +45,8 @@ constexpr int kExitOk = 0, kExitError = 1, kExitUsage = 2;
 constexpr const char* kUsage = R"(usage: spindle-ctl [options] COMMAND
 
 commands:
-  stats [--raw]   clients, messages, bytes and queued bytes per client
+  stats [--raw]   clients, messages, bytes and queued bytes per client, and
+                  what each makes the router hold
                   (--raw: the router's key=value lines, for scripts)
   ping [TEXT]     a round trip through the router's service pool
   ssh HOST [SSH OPTIONS] [--call NAME [ARGS...]]
@@ -95,17 +96,26 @@ void print_table(const std::string& text) {
                   r["id"].c_str(), r["pid"].c_str(), r["clients"].c_str(), r["routed"].c_str(),
                   r["dead_replies"].c_str(), r["accepted"].c_str(), r["refused_uid"].c_str(),
                   r["refused_full"].c_str(), r["refused_no_fds"].c_str());
+    if (r[""] == "router")
+      std::printf("held for clients: %s of %s bytes of messages (peak %s), %s of %s fds, %s of %s bytes "
+                  "of route state\n",
+                  r["memory_held"].c_str(), r["memory_limit"].c_str(), r["memory_peak"].c_str(),
+                  r["fds_held"].c_str(), r["fd_limit"].c_str(), r["state_held"].c_str(),
+                  r["state_limit"].c_str());
     else if (r[""] == "client")
       clients.push_back(std::move(r));
   }
   if (clients.empty()) return;
-  std::printf("%6s %-24s %-8s %8s %6s %12s %12s %14s %14s %12s\n", "ctx", "name", "dialect", "pid",
-              "uid", "msgs in", "msgs out", "bytes in", "bytes out", "queued");
+  // What each client makes the router hold: bytes of messages (paused:
+  // no longer read, over its limit), fds, and bytes of route state.
+  const char* row = "%6s %-24s %-8s %8s %6s %12s %12s %14s %14s %12s %12s %6s %6s %10s\n";
+  std::printf(row, "ctx", "name", "dialect", "pid", "uid", "msgs in", "msgs out", "bytes in", "bytes out",
+              "queued", "held", "paused", "fds", "routes");
   for (auto& c : clients)
-    std::printf("%6s %-24s %-8s %8s %6s %12s %12s %14s %14s %12s\n", c["id"].c_str(),
-                c["name"].c_str(), c["dialect"].c_str(), c["pid"].c_str(), c["uid"].c_str(),
-                c["messages_in"].c_str(), c["messages_out"].c_str(), c["bytes_in"].c_str(),
-                c["bytes_out"].c_str(), c["queued_bytes"].c_str());
+    std::printf(row, c["id"].c_str(), c["name"].c_str(), c["dialect"].c_str(), c["pid"].c_str(),
+                c["uid"].c_str(), c["messages_in"].c_str(), c["messages_out"].c_str(), c["bytes_in"].c_str(),
+                c["bytes_out"].c_str(), c["queued_bytes"].c_str(), c["memory_held"].c_str(),
+                c["paused"].c_str(), c["fds_held"].c_str(), c["state_held"].c_str());
 }
 
 
