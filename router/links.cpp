@@ -362,13 +362,8 @@ void Router::maybe_drained() {
 
 bool Router::routed_through(std::uint32_t id, std::uint32_t via) {
   std::lock_guard lk(ports_mu_);
-  // As port_for() routes: what no link announced goes to the parent.
-  auto port = [&](std::uint32_t ctx) {
-    auto it = ports_.find(ctx);
-    return it != ports_.end() ? it->second.port : parent_port_.port;
-  };
-  auto a = port(id);
-  return a && a == port(via);
+  auto a = port_locked(id).port;
+  return a && a == port_locked(via).port;
 }
 
 }  // namespace spindle

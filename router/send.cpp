@@ -46,11 +46,16 @@ Router::PortRef Router::port_for(std::uint32_t dst) {
   PortRef p;
   {
     std::lock_guard lk(ports_mu_);
-    auto it = ports_.find(dst);
-    p = it != ports_.end() ? it->second : parent_port_;
+    p = port_locked(dst);
   }
   c = CachedRoute{serial_, epoch, dst, p.port, p.serial};
   return p;
+}
+
+// What no link announced goes to the parent (if any).
+Router::PortRef Router::port_locked(std::uint32_t dst) const {
+  auto it = ports_.find(dst);
+  return it != ports_.end() ? it->second : parent_port_;
 }
 
 void Router::send(Message msg, std::chrono::milliseconds timeout) {

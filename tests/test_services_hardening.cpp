@@ -342,34 +342,48 @@ TEST(ServicesHardening, QueuedServiceWorkIsChargedToThePeerAndBoundedByItsLimit)
   })) << "the charges go with the work";
 }
 
-// Past its lane's bound (65,536 calls), a peer's call is refused at once
-// with a dead reply that says why, rather than queued without bound.
-TEST(ServicesHardening, APeerPastALanesBoundGetsServiceQueueFull) {
+// The "slow" service on a one-worker pool, held shut (its lane fills) until
+// the test opens the gate, or ends.
+struct HeldLane {
   InProcessRouter rt;
-  services::Pool pool(pool_of(1));
-  services::ServiceHost host(rt.router(), pool);
+  services::Pool pool{pool_of(1)};
+  services::ServiceHost host{rt.router(), pool};
   Gate gate;
-  host_slow_service(host, gate);
-  OpenOnExit release(gate);
+  OpenOnExit release{gate};
+  HeldLane() { host_slow_service(host, gate); }
 
-  RawClient peer(rt);
-  peer.peer.write_all(peer.call_frame("slow", "wait", "", kReplyBase));
-  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));  // the one worker is held
-  constexpr std::size_t kOver = 5;
-  const std::size_t bound = services::kDefaultLaneMaxMessages;
-  std::string burst;
-  for (std::size_t i = 0; i < bound + kOver; ++i) burst += peer.call_frame("slow", "wait", "", kReplyBase + 1 + i);
-  std::vector<std::string> refusals;
-  Message m;
-  {
+  // `peer` holds the one worker with a call, then sends the lane's bound of
+  // calls and `over` more: the refusals, as they come (nothing else may).
+  std::vector<std::string> fill(RawClient& peer, std::size_t over) {
+    peer.peer.write_all(peer.call_frame("slow", "wait", "", kReplyBase));
+    EXPECT_TRUE(eventually([&] { return gate.waiting() == 1; }));
+    std::string burst;
+    for (std::size_t i = 0; i < services::kDefaultLaneMaxMessages + over; ++i)
+      burst += peer.call_frame("slow", "wait", "", kReplyBase + 1 + static_cast<std::uint32_t>(i));
+    std::vector<std::string> refusals;
+    Message m;
     // The refusals come while the gate is shut and the writer may still be
     // writing: the burst is larger than the socket's buffers.
     BurstWriter writer(peer, std::move(burst), [] {});
-    while (refusals.size() < kOver && next_answer(peer, m)) {
+    while (refusals.size() < over && next_answer(peer, m)) {
       EXPECT_TRUE(m.is_dead()) << "nothing but refusals while the service is held: " << m.text();
       refusals.push_back(m.text());
     }
+    return refusals;
   }
+};
+
+// Past its lane's bound (65,536 calls), a peer's call is refused at once
+// with a dead reply that says why, rather than queued without bound.
+TEST(ServicesHardening, APeerPastALanesBoundGetsServiceQueueFull) {
+  HeldLane lane;
+  services::Pool& pool = lane.pool;
+  Gate& gate = lane.gate;
+  RawClient peer(lane.rt);
+  constexpr std::size_t kOver = 5;
+  const std::size_t bound = services::kDefaultLaneMaxMessages;
+  const std::vector<std::string> refusals = lane.fill(peer, kOver);
+  Message m;
   ASSERT_EQ(refusals.size(), kOver);
   for (const std::string& r : refusals) {
     EXPECT_TRUE(r.starts_with(services::reason::kQueueFull)) << r;
@@ -392,32 +406,16 @@ TEST(ServicesHardening, APeerPastALanesBoundGetsServiceQueueFull) {
 // refused. Before, once one peer had filled a shared lane (a router's ping
 // service), every other peer's call was refused until it drained.
 TEST(ServicesHardening, APeerThatFillsALaneLeavesTheOthersTheirShare) {
-  InProcessRouter rt;
-  services::Pool pool(pool_of(1));
-  services::ServiceHost host(rt.router(), pool);
-  Gate gate;
-  host_slow_service(host, gate);
-  OpenOnExit release(gate);
-
-  RawClient flooder(rt), other(rt);
-  flooder.peer.write_all(flooder.call_frame("slow", "wait", "", kReplyBase));
-  ASSERT_TRUE(eventually([&] { return gate.waiting() == 1; }));  // the one worker is held
+  HeldLane lane;
+  services::Pool& pool = lane.pool;
+  Gate& gate = lane.gate;
+  RawClient flooder(lane.rt), other(lane.rt);
   constexpr std::size_t kOver = 3, kOthers = 10;
   const std::size_t bound = services::kDefaultLaneMaxMessages;
-  std::string burst;
-  for (std::size_t i = 0; i < bound + kOver; ++i)
-    burst += flooder.call_frame("slow", "wait", "", kReplyBase + 1 + i);
+  const std::vector<std::string> refusals = lane.fill(flooder, kOver);
+  ASSERT_EQ(refusals.size(), kOver);
+  for (const std::string& r : refusals) EXPECT_TRUE(r.starts_with(services::reason::kQueueFull)) << r;
   Message m;
-  std::size_t refused = 0;
-  {
-    BurstWriter writer(flooder, std::move(burst), [] {});
-    while (refused < kOver && next_answer(flooder, m)) {
-      EXPECT_TRUE(m.is_dead()) << m.text();
-      EXPECT_TRUE(m.text().starts_with(services::reason::kQueueFull)) << m.text();
-      ++refused;
-    }
-  }
-  ASSERT_EQ(refused, kOver);
   ASSERT_EQ(pool.stats().queued, bound);
 
   // The full lane still takes the other peer's calls...
