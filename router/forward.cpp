@@ -54,32 +54,38 @@ bool Router::reverse_path_ok(Link& in, const Header& h) {
   return true;
 }
 
-void Router::note_egress(Link& in, std::uint32_t dst) {
-  if (dst == in.last_egress) return;
-  // Only a context that exists can later be gone: recording any other id
-  // would let a peer grow this set without bound by writing to random ids.
-  if (dst == id() || routes_.count(dst) || parent_) {
-    if (in.egress.contains(dst)) {
-      in.last_egress = dst;
-      return;
+// Records that `in` sent to `dst`, charged to it (Link::state), so that it
+// is told when `dst` goes (context_gone). When that does not fit its
+// allowance, a frame that wants an answer is refused (false): a call would
+// otherwise wait out its timeout for a context already gone. Any other is
+// delivered, untracked: its sender hears `no route` when it next writes.
+bool Router::note_egress(Link& in, const Header& h) {
+  const std::uint32_t dst = h.dst_id;
+  // This router never leaves its links; and only a context that exists can
+  // later be gone: recording any other id would let a peer grow this set
+  // without bound by writing to random ids.
+  if (dst == in.last_egress || dst == id() || (!parent_ && !routes_.count(dst))) return true;
+  if (!in.egress.contains(dst)) {
+    if (!in.state.grow(kEgressStateBytes)) {
+      std::string why = fmt::format("context {} cannot be told when context {} goes: {}", in.remote_id, dst,
+                                    route_state_spent(in));
+      if (h.reply_to != 0 && !h.is_dead()) {
+        send_dead(h, std::move(why));
+        return false;
+      }
+      note_refusal(in, "departure notice", why);
+      return true;
     }
-    // Charged to the sender. The frame is not refused when the charge does
-    // not fit (it is delivered): the sender is only not told when `dst`
-    // goes, and learns it from a dead reply when it next writes there.
-    if (!in.state.grow(kEgressStateBytes))
-      return note_refusal(in, "departure notice",
-                          fmt::format("context {} will not be told when context {} goes: {}",
-                                      in.remote_id, dst, route_state_spent(in)));
     in.egress.insert(dst);
     talkers_[dst].insert(&in);
-    in.last_egress = dst;
   }
+  in.last_egress = dst;
+  return true;
 }
 
 void Router::on_stream_frame(Stream& s, InFrame& f) {
   auto* in = static_cast<Link*>(s.tag());
-  if (!in || !reverse_path_ok(*in, f.header)) return;
-  note_egress(*in, f.header.dst_id);
+  if (!in || !reverse_path_ok(*in, f.header) || !note_egress(*in, f.header)) return;
   if (f.header.dst_id == id()) {
     Message m = f.take();
     if (!handle_control(*in, m)) dispatch_local(std::move(m));
@@ -91,8 +97,7 @@ void Router::on_stream_frame(Stream& s, InFrame& f) {
 // Frames taken as Messages by the stream: those that carried fds.
 void Router::on_stream_message(Stream& s, Message&& m) {
   auto* in = static_cast<Link*>(s.tag());
-  if (!in || !reverse_path_ok(*in, m.header)) return;
-  note_egress(*in, m.header.dst_id);
+  if (!in || !reverse_path_ok(*in, m.header) || !note_egress(*in, m.header)) return;
   if (m.header.dst_id == id()) {
     if (!handle_control(*in, m)) dispatch_local(std::move(m));
     return;

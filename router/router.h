@@ -305,7 +305,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void route_local_origin(OutboxRecord& rec, std::span<const std::uint8_t> bytes, Message* msg);
   // forward.cpp: the broker thread's routing
   bool reverse_path_ok(Link& in, const Header& h);
-  void note_egress(Link& in, std::uint32_t dst);
+  bool note_egress(Link& in, const Header& h);  // false: refused, with a dead reply
   Link* forward_target(Link& in, const Header& h, std::size_t body);
   void refuse_full(Link& out, const Header& h);
   // `out` is over its mark: a frame that wants an answer is refused with a

@@ -58,12 +58,20 @@ TEST_F(Hardening, TheRoutesAClientAnnouncesAreChargedToItAndShared) {
   EXPECT_LE(state_of(a_id), kLimit) << client_line(a_id);
   const long rss_a = rss_kib();
 
-  // A's messages still go through, but past its allowance A is not
-  // recorded as a talker of a new destination: it would not be told when
-  // that one goes. (Refusals are logged a line a second per link.)
+  // Past its allowance, A cannot be recorded as a talker of a new
+  // destination, so it would not be told when that one goes. Its call there
+  // is refused, with the reason (it would wait out its timeout were the
+  // callee to go); its one-way message is delivered, and that is logged
+  // (refusals are logged a line a second per link).
+  a.send_frame(frame(good_->id(), a_id, a_id, 4321, 77), "a call past its allowance");
+  Message d;
+  ASSERT_TRUE(a.read_frame_for(a_id, 77, d, 20s)) << router_->log();
+  EXPECT_TRUE(d.is_dead());
+  EXPECT_TRUE(contains(d.text(), fmt::format("context {} cannot be told when context {} goes: over the memory "
+                                             "limit for routes", a_id, good_->id()))) << d.text();
   std::this_thread::sleep_for(1100ms);
-  a.send_frame(frame(good_->id(), a_id, a_id, 4321, 0), "past its allowance");
-  EXPECT_TRUE(logged(fmt::format("context {} will not be told when context {} goes", a_id, good_->id())))
+  a.send_frame(frame(good_->id(), a_id, a_id, 4321, 0), "a message past its allowance");
+  EXPECT_TRUE(logged(fmt::format("context {} cannot be told when context {} goes", a_id, good_->id())))
       << router_->log();
 
   // B, holding next to nothing, still gets its share past the router's
