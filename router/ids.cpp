@@ -10,18 +10,17 @@
 // counter that stopped at its end let one client stop the root taking any
 // new client or child, for good: one Python client sending ALLOCATE_ID on
 // connection after connection spends 2.4 to 2.8 million ids a second, all 4
-// billion in under half an hour (scripts/id_burn.py). Round again, an id comes back only after every
-// other id not in use has been handed out since it was, so a departed
-// context's id is not seen again for a long time (4 billion allocations, or
-// half an hour of that flood), and never while anything routes to it.
+// billion in under half an hour (scripts/id_burn.py). Round again, an id
+// comes back only after every other id not in use has been handed out since
+// it was, so a departed context's id is not seen again for a long time (4
+// billion allocations, or half an hour of that flood), and never while
+// anything routes to it.
 #include "router/router.h"
 
 #include <algorithm>
 #include <functional>
 #include <future>
 #include <limits>
-
-#include <fmt/format.h>
 
 #include "broker/errors.h"
 #include "broker/log.h"

@@ -185,8 +185,9 @@ class Charge {
   // them (false, nothing charged, if not); add() always does. Without an
   // account nothing is charged, and grow() succeeds.
   bool grow(std::size_t n) {
-    if (account_ && !account_->try_charge_fair(n)) return false;
-    if (account_) n_ += n;
+    if (!account_) return true;
+    if (!account_->try_charge_fair(n)) return false;
+    n_ += n;
     return true;
   }
   void add(std::size_t n) {
