@@ -36,9 +36,22 @@ UniqueFd new_memfd(std::size_t size) {
   return fd;
 }
 
+// F_SEAL_WRITE is refused (EBUSY) while any page of the memfd carries a
+// reference beyond its mappings: an I/O in flight, a vmsplice() into a pipe
+// not yet read, or the kernel's own reclaim and page migration, which isolate
+// pages for a moment. The kernel waits about 150 ms before it gives up, which
+// a loaded machine can outlast (CI saw it), so sealing tries kSealTries times,
+// about 2 s in all, before it reports the pages as held.
+constexpr int kSealTries = 12;
+
 void seal(int fd) {
-  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE) < 0)
-    throw_errno("fcntl(F_ADD_SEALS)");
+  for (int tries = 1;; ++tries) {
+    if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE) == 0) return;
+    if (errno == EINTR) continue;
+    if (errno != EBUSY) throw_errno("fcntl(F_ADD_SEALS)");
+    if (tries == kSealTries)
+      throw std::system_error(EBUSY, std::generic_category(), std::string(errtext::kMemfdPagesHeld));
+  }
 }
 
 // Keeps a read-only mapping, and the memfd behind it, alive for a Payload.

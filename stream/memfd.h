@@ -21,6 +21,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "spindle/fds.h"
 #include "stream/account.h"
@@ -32,6 +33,14 @@ namespace spindle {
 inline constexpr std::size_t kDefaultMemfdThreshold = 1u << 20;
 // What a memfd must carry before it may leave the process or be accepted.
 inline constexpr int kRequiredSeals = 0x0002 | 0x0004 | 0x0008;  // SHRINK | GROW | WRITE
+
+namespace errtext {
+// Sealing a PayloadBuffer (or a copy into a memfd) found its pages still held
+// by someone other than a mapping for about 2 s.
+inline constexpr std::string_view kMemfdPagesHeld =
+    "memfd pages are still held (an I/O in flight, or a vmsplice() into a pipe not yet read): "
+    "it cannot be sealed against writing";
+}  // namespace errtext
 
 class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
  public:
@@ -86,7 +95,10 @@ class PayloadBuffer {
                    // into it (a Python memoryview) stay valid, and later
                    // writes stay in this process, never in the message
   };
-  // Seals the memfd and returns it as a Payload (a read-only view).
+  // Seals the memfd and returns it as a Payload (a read-only view). Pages
+  // that the kernel still holds (an I/O in flight, a vmsplice()) are waited
+  // out for about 2 s; then it throws std::system_error(EBUSY) with
+  // errtext::kMemfdPagesHeld.
   Payload seal(View view = View::kUnmap) &&;
 
  private:

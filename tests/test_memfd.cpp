@@ -4,7 +4,9 @@
 // copy), the inline fallback for a peer without fds, and kill -9 of either
 // side mid-transfer leaving nothing in /dev/shm and no fd behind.
 #include <signal.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -12,7 +14,9 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -58,6 +62,60 @@ TEST(Memfd, PayloadBufferIsSealedNamelessAndReadOnly) {
   EXPECT_EQ(w, MAP_FAILED);
   EXPECT_NE(::ftruncate(fd, 1), 0);
   EXPECT_EQ(dev_shm_entries(), shm_before) << "a memfd has no name in /dev/shm";
+}
+
+// A page of the buffer held by the kernel (here: vmsplice()d into a pipe
+// that nobody has read yet) makes F_SEAL_WRITE fail with EBUSY, as a page
+// isolated by reclaim or migration does on a loaded machine. Sealing waits
+// it out while it is brief, and names the cause when it is not.
+class HeldPage {
+ public:
+  explicit HeldPage(std::span<std::uint8_t> bytes) {
+    if (::pipe2(pipe_, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe2");
+    iovec iov{bytes.data(), 4096};
+    if (::vmsplice(pipe_[1], &iov, 1, 0) != 4096) throw std::system_error(errno, std::generic_category(), "vmsplice");
+  }
+  ~HeldPage() {
+    ::close(pipe_[0]);
+    ::close(pipe_[1]);
+  }
+  // Reading the pipe drops its reference to the page.
+  void release() {
+    char sink[4096];
+    ASSERT_EQ(::read(pipe_[0], sink, sizeof sink), 4096);
+  }
+
+ private:
+  int pipe_[2] = {-1, -1};
+};
+
+TEST(Memfd, SealingWaitsOutAPageTheKernelHoldsForAMoment) {
+  PayloadBuffer buf(1u << 20);
+  std::memset(buf.bytes().data(), 'h', buf.size());
+  HeldPage held(buf.bytes());
+  // Longer than the kernel's own wait (about 150 ms) before its EBUSY.
+  std::thread releaser([&held] {
+    std::this_thread::sleep_for(500ms);
+    held.release();
+  });
+  Payload p;
+  EXPECT_NO_THROW(p = std::move(buf).seal());
+  releaser.join();
+  ASSERT_TRUE(p.memfd());
+  EXPECT_EQ(::fcntl(p.memfd()->fd(), F_GET_SEALS) & kRequiredSeals, kRequiredSeals);
+  EXPECT_EQ(p.contiguous()[(1u << 20) - 1], 'h');
+}
+
+TEST(Memfd, SealingAPageHeldForGoodFailsNamingTheCause) {
+  PayloadBuffer buf(1u << 20);
+  HeldPage held(buf.bytes());
+  try {
+    (void)std::move(buf).seal();
+    FAIL() << "sealed a memfd whose page is still in a pipe";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), EBUSY);
+    EXPECT_TRUE(contains(e.what(), errtext::kMemfdPagesHeld)) << e.what();
+  }
 }
 
 // Sealing with View::kKeepPrivate (the Python spindle.Buffer's): the
