@@ -161,7 +161,8 @@ Sent as the whole message (ctx.send(handle, buf), or returned by a function
 a parent calls), the memfd itself is the message: no copy on either side.
 Inside a larger value (a call's arguments) it is copied once, like any large
 buffer. The first send seals it: later writes stay in this process, and
-every send carries what it held then.)doc")
+every send carries what it held then. A Buffer that a process forked since
+still maps cannot be sealed as it is: it is sent as a sealed copy.)doc")
       .def(py::init([](py::object size, py::object shape, py::object dtype) {
              if (size.is_none() == shape.is_none())
                throw py::type_error("spindle.Buffer: give either size or shape (with dtype)");

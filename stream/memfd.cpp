@@ -36,22 +36,66 @@ UniqueFd new_memfd(std::size_t size) {
   return fd;
 }
 
-// F_SEAL_WRITE is refused (EBUSY) while any page of the memfd carries a
-// reference beyond its mappings: an I/O in flight, a vmsplice() into a pipe
-// not yet read, or the kernel's own reclaim and page migration, which isolate
-// pages for a moment. The kernel waits about 150 ms before it gives up, which
-// a loaded machine can outlast (CI saw it), so sealing tries kSealTries times,
-// about 2 s in all, before it reports the pages as held.
-constexpr int kSealTries = 12;
-
-void seal(int fd) {
-  for (int tries = 1;; ++tries) {
-    if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE) == 0) return;
-    if (errno == EINTR) continue;
-    if (errno != EBUSY) throw_errno("fcntl(F_ADD_SEALS)");
-    if (tries == kSealTries)
-      throw std::system_error(EBUSY, std::generic_category(), std::string(errtext::kMemfdPagesHeld));
+// F_SEAL_WRITE is refused (EBUSY) while any process maps the memfd
+// writable, or while any page of it carries a reference beyond its mappings:
+// an I/O in flight, a vmsplice() into a pipe not yet read, or, for a moment,
+// the kernel's own reclaim and page migration (after a wait of about 150 ms,
+// which a loaded machine can outlast: CI saw it). Returns false on EBUSY.
+bool try_seal(int fd) {
+  for (;;) {
+    if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE) == 0) return true;
+    if (errno == EBUSY) return false;
+    if (errno != EINTR) throw_errno("fcntl(F_ADD_SEALS)");
   }
+}
+
+// A memfd that nobody has mapped or seen can only be held by the kernel for
+// a moment: a few tries outlast that.
+constexpr int kFreshSealTries = 4;
+
+void seal_fresh(int fd) {
+  for (int tries = 1; !try_seal(fd); ++tries)
+    if (tries == kFreshSealTries)
+      throw std::system_error(EBUSY, std::generic_category(), std::string(errtext::kMemfdPagesHeld));
+}
+
+// A new memfd of `size` bytes holding what `iov` points to, written with
+// pwritev (no mapping), and sealed.
+UniqueFd sealed_memfd_of(std::vector<iovec> iov, std::size_t size) {
+  UniqueFd fd = new_memfd(size);
+  std::size_t done = 0, first = 0;
+  while (first < iov.size()) {
+    int cnt = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
+    ssize_t n = ::pwritev(fd.get(), iov.data() + first, cnt, static_cast<off_t>(done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_errno("pwritev(memfd)");
+    }
+    done += static_cast<std::size_t>(n);
+    // Skip what was written, trimming a slice written in part.
+    for (std::size_t k = static_cast<std::size_t>(n); k > 0 && first < iov.size();) {
+      std::size_t take = std::min(k, iov[first].iov_len);
+      iov[first].iov_base = static_cast<std::uint8_t*>(iov[first].iov_base) + take;
+      iov[first].iov_len -= take;
+      k -= take;
+      if (iov[first].iov_len == 0) ++first;
+    }
+  }
+  seal_fresh(fd.get());
+  return fd;
+}
+
+// A sealed copy of the `size` bytes of the memfd `src`, read through a
+// mapping of its own.
+UniqueFd sealed_copy_of(int src, std::size_t size) {
+  void* a = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, src, 0);
+  if (a == MAP_FAILED) throw_errno("mmap(memfd, PROT_READ)");
+  struct Unmap {
+    void* a;
+    std::size_t n;
+    ~Unmap() { ::munmap(a, n); }
+  } unmap{a, size};
+  return sealed_memfd_of({iovec{a, size}}, size);
 }
 
 // Keeps a read-only mapping, and the memfd behind it, alive for a Payload.
@@ -72,29 +116,9 @@ class Mapping {
 }  // namespace
 
 std::shared_ptr<const SealedMemfd> SealedMemfd::copy_of(const Payload& bytes) {
-  UniqueFd fd = new_memfd(bytes.size());
   std::vector<iovec> iov;
   for (const Slice& s : bytes.slices()) iov.push_back({const_cast<std::uint8_t*>(s.data), s.size});
-  std::size_t done = 0, first = 0;
-  while (first < iov.size()) {
-    int cnt = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
-    ssize_t n = ::pwritev(fd.get(), iov.data() + first, cnt, static_cast<off_t>(done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw_errno("pwritev(memfd)");
-    }
-    done += static_cast<std::size_t>(n);
-    // Skip what was written, trimming a slice written in part.
-    for (std::size_t k = static_cast<std::size_t>(n); k > 0 && first < iov.size();) {
-      std::size_t take = std::min(k, iov[first].iov_len);
-      iov[first].iov_base = static_cast<std::uint8_t*>(iov[first].iov_base) + take;
-      iov[first].iov_len -= take;
-      k -= take;
-      if (iov[first].iov_len == 0) ++first;
-    }
-  }
-  seal(fd.get());
-  return std::make_shared<SealedMemfd>(std::move(fd), bytes.size());
+  return std::make_shared<SealedMemfd>(sealed_memfd_of(std::move(iov), bytes.size()), bytes.size());
 }
 
 std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& error,
@@ -170,8 +194,12 @@ Payload PayloadBuffer::seal(View view) && {
     if (::munmap(addr_, size_) < 0) throw_errno("munmap(memfd)");
     addr_ = nullptr;
   }
-  spindle::seal(fd_.get());
-  auto memfd = std::make_shared<SealedMemfd>(std::move(fd_), size_);
+  // A process forked while this buffer was open still maps it writable (or
+  // the kernel holds a page): the message is then a sealed copy of the bytes
+  // as they are now. Slower, never wrong; the usual case costs no copy.
+  UniqueFd sealed = try_seal(fd_.get()) ? std::move(fd_) : sealed_copy_of(fd_.get(), size_);
+  fd_.reset();
+  auto memfd = std::make_shared<SealedMemfd>(std::move(sealed), size_);
   if (!addr_) size_ = 0;
   // The producer has written its bytes; it rarely reads them back.
   return memfd->map(false);

@@ -35,11 +35,11 @@ inline constexpr std::size_t kDefaultMemfdThreshold = 1u << 20;
 inline constexpr int kRequiredSeals = 0x0002 | 0x0004 | 0x0008;  // SHRINK | GROW | WRITE
 
 namespace errtext {
-// Sealing a PayloadBuffer (or a copy into a memfd) found its pages still held
-// by someone other than a mapping for about 2 s.
+// A fresh copy into a memfd could not be sealed: the kernel (reclaim, page
+// migration) held one of its pages through several tries.
 inline constexpr std::string_view kMemfdPagesHeld =
-    "memfd pages are still held (an I/O in flight, or a vmsplice() into a pipe not yet read): "
-    "it cannot be sealed against writing";
+    "the kernel still holds pages of a fresh memfd (reclaim or migration): it cannot be sealed against "
+    "writing";
 }  // namespace errtext
 
 class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
@@ -95,10 +95,10 @@ class PayloadBuffer {
                    // into it (a Python memoryview) stay valid, and later
                    // writes stay in this process, never in the message
   };
-  // Seals the memfd and returns it as a Payload (a read-only view). Pages
-  // that the kernel still holds (an I/O in flight, a vmsplice()) are waited
-  // out for about 2 s; then it throws std::system_error(EBUSY) with
-  // errtext::kMemfdPagesHeld.
+  // Seals the memfd and returns it as a Payload (a read-only view). Where
+  // the memfd cannot be sealed (a process forked since still maps it
+  // writable, or the kernel holds one of its pages), the Payload is a
+  // sealed copy of its bytes instead. Throws std::system_error.
   Payload seal(View view = View::kUnmap) &&;
 
  private:

@@ -161,6 +161,32 @@ def test_a_sent_buffer_is_the_message_itself(router, child):
         "the receiver maps the memfd the child filled: no copy on the way"
 
 
+def test_a_buffer_made_before_a_fork_is_sent_as_a_sealed_copy(router):
+    """The forked process still maps it writable, so it cannot be sealed as it
+    is: the message is a sealed copy of its bytes (it used to be an error)."""
+    nbytes = 4 * MIB
+    buf = spindle.Buffer(nbytes)
+    buf.array[:] = expected(nbytes, 9)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # keeps the inherited mapping until the parent has sent
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        with router.receiver() as rx:
+            rx.sender.send(buf)
+            view = rx.get(timeout=60).data
+            assert isinstance(view, memoryview) and view.readonly and view.nbytes == nbytes
+            assert numpy.array_equal(numpy.frombuffer(view, dtype=numpy.uint8), expected(nbytes, 9))
+            del view
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+    assert buf.sealed
+
+
 def test_references_dropped_without_the_gil_are_all_released():
     """The broker thread lets go of a sent buffer (or a handler) without the
     GIL; the interpreter drops the reference later, on its main thread. Each
