@@ -56,7 +56,10 @@ void Router::allocate_for(Message&& m) {
   auto ids = take_ids(count);
   if (!ids) return send_dead(m.header, std::string(reason::kIdsExhausted));
   const auto [first, granted] = *ids;
-  if (via) via->allocated.grant(first, granted);
+  if (via) {
+    via->allocated.grant(first, granted);
+    granted_.grant(first, granted);
+  }
   // No reply_to (0, or a dead frame's 999): the grant stands, and nobody is
   // told (PROTOCOL.md 6.4); a reply would go to handle 0 or 999 of the sender.
   if (m.header.reply_to == 0 || m.header.is_dead()) return;
@@ -90,6 +93,7 @@ bool Router::accept_add_route(Link& in, std::uint32_t target) {
     in.state.shrink(kRouteStateBytes);
     return refuse(reason::kNotYourId);
   }
+  if (!parent_) granted_.claim(target);
   return true;
 }
 

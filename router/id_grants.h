@@ -9,9 +9,11 @@
 // the root hold is bounded by the number of blocks (the caller's limit), not
 // by the ids in them: a block is one map entry.
 //
-// Thread: the root router's broker thread. Owned by the Router's Link.
+// Thread: the root router's broker thread. Owned by the Router's Link, and
+// by the Router for the union of every link's (Router::id_in_use).
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <map>
 
@@ -44,6 +46,18 @@ class IdGrants {
     --ids_;
     if (it->second == 0) unannounced_.erase(it);
     return true;
+  }
+  // Removes every id that `theirs` holds: the router-wide index of all
+  // links' grants forgets a link's when that link goes. Each block of
+  // `theirs` was recorded here under the same first id.
+  void forget(const IdGrants& theirs) {
+    for (const auto& [first, mask] : theirs.unannounced_) {
+      auto it = unannounced_.find(first);
+      if (it == unannounced_.end()) continue;
+      ids_ -= static_cast<std::size_t>(std::popcount(it->second & mask));
+      it->second &= ~mask;
+      if (it->second == 0) unannounced_.erase(it);
+    }
   }
 
  private:

@@ -263,6 +263,7 @@ void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsen
     t->second.erase(link.get());
     if (t->second.empty()) talkers_.erase(t);
   }
+  granted_.forget(link->allocated);  // its unannounced ids are free again
   std::size_t steps = gone.size() + link->egress.size() + link->allocated.blocks() +
                       unsent.wanting_reply.size() + unsent.originals.size();
   std::string detail = fmt::format("{}: {} ({})", reason::kPeerDisconnected, link->name, why);

@@ -391,6 +391,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   // id not in use resumes, and whether that was logged.
   std::uint32_t reuse_cursor_ = 1;
   bool ids_wrapped_ = false;
+  // Root, broker thread: every link's grants (each link keeps its own too),
+  // so that id_in_use() is one lookup, not one per link.
+  IdGrants granted_;
   // Non-root: ids of the root's last block not used yet (allocate_id() takes
   // the lowest), so a sub-router forks most children without a round trip.
   std::mutex spare_ids_mu_;
