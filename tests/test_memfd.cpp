@@ -100,37 +100,42 @@ ino_t inode_mapped_at(const void* addr) {
   return 0;
 }
 
-ino_t inode_of(const Payload& p) {
-  struct stat st {};
-  return ::fstat(p.memfd()->fd(), &st) == 0 ? st.st_ino : 0;
-}
-
-void expect_sealed_with(const Payload& p, std::size_t n, std::uint8_t byte) {
-  ASSERT_TRUE(p.memfd());
-  EXPECT_EQ(::fcntl(p.memfd()->fd(), F_GET_SEALS) & kRequiredSeals, kRequiredSeals);
-  ASSERT_EQ(p.size(), n);
-  const auto bytes = p.contiguous();
-  EXPECT_EQ(bytes[0], byte);
-  EXPECT_EQ(bytes[n - 1], byte);
-}
+// A 1 MiB PayloadBuffer filled with one byte, and the inode of its memfd.
+struct FilledBuffer {
+  static constexpr std::size_t kSize = 1u << 20;
+  explicit FilledBuffer(char b) : buf(kSize), byte(b) {
+    std::memset(buf.bytes().data(), byte, kSize);
+    inode = inode_mapped_at(buf.bytes().data());
+  }
+  // Seals it, checks that the payload is sealed and holds the bytes, and
+  // returns the inode of the payload's memfd.
+  ino_t seal() {
+    Payload p = std::move(buf).seal();
+    if (!p.memfd()) return 0;
+    EXPECT_EQ(::fcntl(p.memfd()->fd(), F_GET_SEALS) & kRequiredSeals, kRequiredSeals);
+    EXPECT_EQ(p.size(), kSize);
+    const auto bytes = p.contiguous();
+    EXPECT_EQ(bytes[0], byte);
+    EXPECT_EQ(bytes[kSize - 1], byte);
+    struct stat st {};
+    return ::fstat(p.memfd()->fd(), &st) == 0 ? st.st_ino : 0;
+  }
+  PayloadBuffer buf;
+  char byte;
+  ino_t inode = 0;
+};
 
 TEST(Memfd, ABufferThatCannotBeSealedIsSentAsASealedCopy) {
-  constexpr std::size_t n = 1u << 20;
-  PayloadBuffer buf(n);
-  std::memset(buf.bytes().data(), 'h', n);
-  const ino_t filled = inode_mapped_at(buf.bytes().data());
-  ASSERT_NE(filled, 0u);
-  HeldPage held(buf.bytes());  // for good: the pipe is never read
-  Payload p = std::move(buf).seal();
-  expect_sealed_with(p, n, 'h');
-  EXPECT_NE(inode_of(p), filled) << "a copy, not the memfd whose page is held";
+  FilledBuffer f('h');
+  ASSERT_NE(f.inode, 0u);
+  HeldPage held(f.buf.bytes());  // for good: the pipe is never read
+  const ino_t sent = f.seal();
+  EXPECT_NE(sent, 0u);
+  EXPECT_NE(sent, f.inode) << "a copy, not the memfd whose page is held";
 }
 
 TEST(Memfd, ABufferStillMappedByAForkedChildIsSentAsASealedCopy) {
-  constexpr std::size_t n = 1u << 20;
-  PayloadBuffer buf(n);
-  std::memset(buf.bytes().data(), 'f', n);
-  const ino_t filled = inode_mapped_at(buf.bytes().data());
+  FilledBuffer f('f');
   int go[2];
   ASSERT_EQ(::pipe2(go, O_CLOEXEC), 0);
   const pid_t pid = ::fork();
@@ -142,22 +147,17 @@ TEST(Memfd, ABufferStillMappedByAForkedChildIsSentAsASealedCopy) {
     ::_exit(0);
   }
   ::close(go[0]);
-  Payload p = std::move(buf).seal();
+  const ino_t sent = f.seal();
   ::close(go[1]);
   int st = 0;
   ASSERT_EQ(::waitpid(pid, &st, 0), pid);
-  expect_sealed_with(p, n, 'f');
-  EXPECT_NE(inode_of(p), filled);
+  EXPECT_NE(sent, 0u);
+  EXPECT_NE(sent, f.inode);
 }
 
 TEST(Memfd, ABufferNobodyElseHoldsIsSealedAsItIs) {
-  constexpr std::size_t n = 1u << 20;
-  PayloadBuffer buf(n);
-  std::memset(buf.bytes().data(), 'z', n);
-  const ino_t filled = inode_mapped_at(buf.bytes().data());
-  Payload p = std::move(buf).seal();
-  expect_sealed_with(p, n, 'z');
-  EXPECT_EQ(inode_of(p), filled) << "no copy";
+  FilledBuffer f('z');
+  EXPECT_EQ(f.seal(), f.inode) << "no copy";
 }
 
 // Sealing with View::kKeepPrivate (the Python spindle.Buffer's): the
