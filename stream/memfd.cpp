@@ -50,18 +50,20 @@ bool try_seal(int fd) {
 }
 
 // A memfd that nobody has mapped or seen can only be held by the kernel for
-// a moment: a few tries outlast that.
-constexpr int kFreshSealTries = 4;
+// a moment: a few tries outlast that, where nothing else would do. A copy
+// that send() makes tries once, since its bytes can still go inline: it may
+// run on the broker thread, which each try can hold for 150 ms.
+constexpr int kCopySealTries = 1, kBufferCopySealTries = 4;
 
-void seal_fresh(int fd) {
-  for (int tries = 1; !try_seal(fd); ++tries)
-    if (tries == kFreshSealTries)
+void seal_fresh(int fd, int tries) {
+  for (int tried = 1; !try_seal(fd); ++tried)
+    if (tried >= tries)
       throw std::system_error(EBUSY, std::generic_category(), std::string(errtext::kMemfdPagesHeld));
 }
 
 // A new memfd of `size` bytes holding what `iov` points to, written with
-// pwritev (no mapping), and sealed.
-UniqueFd sealed_memfd_of(std::vector<iovec> iov, std::size_t size) {
+// pwritev (no mapping), and sealed within `seal_tries` tries.
+UniqueFd sealed_memfd_of(std::vector<iovec> iov, std::size_t size, int seal_tries) {
   UniqueFd fd = new_memfd(size);
   std::size_t done = 0, first = 0;
   while (first < iov.size()) {
@@ -81,7 +83,7 @@ UniqueFd sealed_memfd_of(std::vector<iovec> iov, std::size_t size) {
       if (iov[first].iov_len == 0) ++first;
     }
   }
-  seal_fresh(fd.get());
+  seal_fresh(fd.get(), seal_tries);
   return fd;
 }
 
@@ -95,7 +97,7 @@ UniqueFd sealed_copy_of(int src, std::size_t size) {
     std::size_t n;
     ~Unmap() { ::munmap(a, n); }
   } unmap{a, size};
-  return sealed_memfd_of({iovec{a, size}}, size);
+  return sealed_memfd_of({iovec{a, size}}, size, kBufferCopySealTries);
 }
 
 // Keeps a read-only mapping, and the memfd behind it, alive for a Payload.
@@ -118,7 +120,8 @@ class Mapping {
 std::shared_ptr<const SealedMemfd> SealedMemfd::copy_of(const Payload& bytes) {
   std::vector<iovec> iov;
   for (const Slice& s : bytes.slices()) iov.push_back({const_cast<std::uint8_t*>(s.data), s.size});
-  return std::make_shared<SealedMemfd>(sealed_memfd_of(std::move(iov), bytes.size()), bytes.size());
+  return std::make_shared<SealedMemfd>(sealed_memfd_of(std::move(iov), bytes.size(), kCopySealTries),
+                                       bytes.size());
 }
 
 std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& error,

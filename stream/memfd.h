@@ -36,7 +36,7 @@ inline constexpr int kRequiredSeals = 0x0002 | 0x0004 | 0x0008;  // SHRINK | GRO
 
 namespace errtext {
 // A fresh copy into a memfd could not be sealed: the kernel (reclaim, page
-// migration) held one of its pages through several tries.
+// migration) held one of its pages through every try.
 inline constexpr std::string_view kMemfdPagesHeld =
     "the kernel still holds pages of a fresh memfd (reclaim or migration): it cannot be sealed against "
     "writing";
@@ -45,7 +45,9 @@ inline constexpr std::string_view kMemfdPagesHeld =
 class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
  public:
   // A new sealed memfd holding a copy of `bytes` (one pwritev, no mapping).
-  // Throws std::system_error.
+  // Throws std::system_error, also when the kernel holds a page of it at
+  // the one try to seal it (errtext::kMemfdPagesHeld; the router then sends
+  // the bytes inline).
   static std::shared_ptr<const SealedMemfd> copy_of(const Payload& bytes);
   // Checks a received fd: a memfd whose size is sealed and whose contents are
   // write-sealed. Returns nullptr and sets `error` if it is not. Its size is
