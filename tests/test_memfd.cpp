@@ -6,7 +6,6 @@
 #include <signal.h>
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -74,17 +73,13 @@ TEST(Memfd, PayloadBufferIsSealedNamelessAndReadOnly) {
 class HeldPage {
  public:
   explicit HeldPage(std::span<std::uint8_t> bytes) {
-    if (::pipe2(pipe_, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe2");
     iovec iov{bytes.data(), 4096};
-    if (::vmsplice(pipe_[1], &iov, 1, 0) != 4096) throw std::system_error(errno, std::generic_category(), "vmsplice");
-  }
-  ~HeldPage() {
-    ::close(pipe_[0]);
-    ::close(pipe_[1]);
+    if (::vmsplice(pipe_.write.get(), &iov, 1, 0) != 4096)
+      throw std::system_error(errno, std::generic_category(), "vmsplice");
   }
 
  private:
-  int pipe_[2] = {-1, -1};
+  Pipe pipe_ = make_owned_pipe();
 };
 
 // The inode of the file mapped at `addr` (/proc/self/maps), 0 if none.
@@ -117,8 +112,7 @@ struct FilledBuffer {
     const auto bytes = p.contiguous();
     EXPECT_EQ(bytes[0], byte);
     EXPECT_EQ(bytes[kSize - 1], byte);
-    struct stat st {};
-    return ::fstat(p.memfd()->fd(), &st) == 0 ? st.st_ino : 0;
+    return fd_identity(p.memfd()->fd()).second;
   }
   PayloadBuffer buf;
   char byte;
@@ -136,19 +130,18 @@ TEST(Memfd, ABufferThatCannotBeSealedIsSentAsASealedCopy) {
 
 TEST(Memfd, ABufferStillMappedByAForkedChildIsSentAsASealedCopy) {
   FilledBuffer f('f');
-  int go[2];
-  ASSERT_EQ(::pipe2(go, O_CLOEXEC), 0);
+  Pipe go = make_owned_pipe();
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {  // inherits the writable mapping and keeps it until told
-    ::close(go[1]);
+    ::close(go.write.get());  // raw: only async-signal-safe calls in the child
     char c;
-    (void)::read(go[0], &c, 1);
+    (void)::read(go.read.get(), &c, 1);
     ::_exit(0);
   }
-  ::close(go[0]);
+  go.read.reset();
   const ino_t sent = f.seal();
-  ::close(go[1]);
+  go.write.reset();
   int st = 0;
   ASSERT_EQ(::waitpid(pid, &st, 0), pid);
   EXPECT_NE(sent, 0u);
