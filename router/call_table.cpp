@@ -311,6 +311,21 @@ void CallTable::arm_deadline(std::uint32_t handle, Clock::time_point when) {
   deadlines_->set.insert(*s);
 }
 
+void CallTable::request_arm(std::uint32_t handle, Clock::time_point when) {
+  arm_requests_.push(ArmRequest{handle, when.time_since_epoch().count()});
+  arm_requests_pushed_.fetch_add(1, std::memory_order_seq_cst);
+}
+
+void CallTable::arm_requested() {
+  // Both seq_cst: a relaxed look could miss a request whose thread saw the
+  // timer still due, and then neither side would arm it.
+  if (arm_requests_pushed_.load(std::memory_order_seq_cst) == 0 ||
+      arm_requests_pushed_.exchange(0, std::memory_order_seq_cst) == 0)
+    return;
+  ArmRequest r;
+  while (arm_requests_.pop(r)) arm_deadline(r.handle, Clock::time_point(Clock::duration(r.when)));
+}
+
 std::optional<CallTable::Clock::time_point> CallTable::next_deadline() const {
   if (deadlines_->set.empty()) return std::nullopt;
   return deadlines_->set.begin()->deadline;

@@ -99,9 +99,18 @@ class CallTable {
   bool completes_anywhere(std::uint32_t handle) const;
   std::optional<std::uint32_t> callee_of(std::uint32_t handle) const;
 
+  // Any thread: asks for an async slot's deadline to be armed by the broker
+  // at its next arm_requested(). Lock-free; allocates nothing once warm.
+  void request_arm(std::uint32_t handle, Clock::time_point when);
+
   // --- broker thread ---
-  // Async slots: the deadline, armed when the request reaches the broker.
+  // Async slots: the deadline, armed when the request reaches the broker
+  // (through the outbox), or as requested by the thread that wrote it.
   void arm_deadline(std::uint32_t handle, Clock::time_point when);
+  // Arms every deadline request_arm() asked for since the last time (those of
+  // calls already over are skipped). The RMW that takes the requests and
+  // request_arm()'s are sequentially consistent: see Router::arm_deadline.
+  void arm_requested();
   // The earliest armed deadline, if any.
   std::optional<Clock::time_point> next_deadline() const;
   // Fails every async call whose deadline has passed with on_timeout(callee).
@@ -141,6 +150,12 @@ class CallTable {
   std::atomic<std::uint32_t> size_{0};
   boost::lockfree::stack<std::uint32_t> free_{256};
   boost::lockfree::stack<std::uint32_t> retired_{64};  // completed off the broker thread
+  struct ArmRequest {
+    std::uint32_t handle;
+    Clock::rep when;
+  };
+  boost::lockfree::stack<ArmRequest> arm_requests_{256};
+  std::atomic<std::uint32_t> arm_requests_pushed_{0};  // since the broker last took them
   std::atomic<std::size_t> pending_{0};
   // broker thread: armed async deadlines, earliest first (intrusive in the
   // slots: arming one allocates nothing)

@@ -68,24 +68,38 @@ std::future<Message> Router::request(Message msg, std::chrono::milliseconds time
   return fut;
 }
 
-// Any thread. The broker keeps async deadlines; from another thread the arm
-// is deferred to it. A call completed meanwhile is not armed (arm_deadline
+// Any thread. The broker keeps async deadlines. From another thread the arm
+// is requested (CallTable::request_arm) and taken up whenever the broker next
+// arms its timer: at the latest when a timer already due by `when` fires.
+// So the broker is woken only for a deadline earlier than its timer's (or
+// with none armed): with one timeout for every call, once per timer, where
+// it used to be woken for every asynchronous request written from a thread
+// of the application. A call completed meanwhile is not armed (arm_deadline
 // checks the slot's generation), and one still pending when the broker has
 // stopped is failed by the shutdown.
+//
+// The request's push and the load of call_timer_due_ here, against the
+// timer's store of "none" and its look at the requests (arm_call_timer),
+// are sequentially consistent: of two racing, at least one sees the other,
+// so a request is never left with no timer due before it.
 void Router::arm_deadline(std::uint32_t slot, Clock::time_point when) {
-  auto arm = [this, slot, when] {
+  if (broker_.on_broker_thread()) {
     calls_.arm_deadline(slot, when);
     arm_call_timer();
-  };
-  if (broker_.on_broker_thread()) arm();
-  else broker_.try_defer(arm);
+    return;
+  }
+  calls_.request_arm(slot, when);
+  if (when.time_since_epoch().count() < call_timer_due_.load(std::memory_order_seq_cst))
+    broker_.try_defer([this] { arm_call_timer(); });
 }
 
-// Broker thread: arms the one timer for the earliest async deadline.
+// Broker thread: takes up the requested arms, then arms the one timer for
+// the earliest async deadline.
 void Router::arm_call_timer() {
+  calls_.arm_requested();
   auto next = calls_.next_deadline();
   if (!next || *next >= call_timer_at_) return;
-  call_timer_at_ = *next;
+  set_call_timer_at(*next);
   call_timer_.expires_at(*next);  // cancels a wait armed for a later deadline
   // link_: a hosted loop (the application's) may run this after the router
   // is gone, if the timer fired just before it was destroyed.
@@ -95,13 +109,19 @@ void Router::arm_call_timer() {
       std::shared_lock lk(link->mu);
       if (!link->router) return;
     }
-    call_timer_at_ = Clock::time_point::max();
+    set_call_timer_at(Clock::time_point::max());
+    calls_.arm_requested();  // after the store above: see arm_deadline
     calls_.expire(Clock::now(), [this](std::uint32_t callee) {
       return std::make_exception_ptr(TimeoutError(fmt::format(
           "{}: no reply from context {} in time", errtext::kCallTimedOut, callee)));
     });
     arm_call_timer();
   });
+}
+
+void Router::set_call_timer_at(Clock::time_point at) {
+  call_timer_at_ = at;
+  call_timer_due_.store(at.time_since_epoch().count(), std::memory_order_seq_cst);
 }
 
 }  // namespace spindle

@@ -357,7 +357,7 @@ void Router::maybe_drained() {
   // Nothing can answer a call any more: its deadline timer must not keep a
   // hosted loop (the application's io_context) running for up to 30 s.
   call_timer_.cancel();
-  call_timer_at_ = Clock::time_point::max();
+  set_call_timer_at(Clock::time_point::max());
   broker_.participant_drained(this);
 }
 

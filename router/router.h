@@ -353,6 +353,7 @@ class Router : public StreamListener, public ShutdownParticipant {
                      bool anywhere);
   void arm_deadline(std::uint32_t call_slot, Clock::time_point when);  // any thread
   void arm_call_timer();
+  void set_call_timer_at(Clock::time_point at);  // broker thread
   // links.cpp
   Link* route_for(std::uint32_t dst);
   Link* link_of(const Stream& s);
@@ -424,6 +425,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   bool shutting_down_ = false;
   asio::steady_timer call_timer_;
   Clock::time_point call_timer_at_ = Clock::time_point::max();
+  // call_timer_at_ for other threads (arm_deadline): when the timer fires.
+  std::atomic<Clock::rep> call_timer_due_{Clock::time_point::max().time_since_epoch().count()};
   bool hold_unknown_ = false;
   std::vector<Message> held_unknown_;
   std::size_t held_bytes_ = 0;

@@ -142,14 +142,16 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
         throw ChannelError(fmt::format("{}: context {}", reason::kPeerDisconnected, h.dst_id));
     }
     // The idle stream's fast path: written here, now, in one syscall.
-    if (!on_broker && plain && async_slot == 0 && outbox_.empty() &&
-        port.port->gate.direct_allowed()) {
+    if (!on_broker && plain && outbox_.empty() && port.port->gate.direct_allowed()) {
       Payload view;
       if (msg) view = msg->data;
       else if (!bytes.empty()) view.append(Slice{nullptr, bytes.data(), bytes.size()});
       std::string error;
       switch (port.port->try_write(h, view, charge, error)) {
-        case StreamPort::Direct::kWritten: return;
+        case StreamPort::Direct::kWritten:
+          // The reply may already be in: a call that is over is not armed.
+          if (async_slot) arm_deadline(async_slot, futex::deadline_after(timeout));
+          return;
         case StreamPort::Direct::kFailed:
           throw ChannelError(fmt::format("{}: context {} ({})", reason::kPeerDisconnected, h.dst_id, error));
         case StreamPort::Direct::kNotIdle: break;

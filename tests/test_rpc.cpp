@@ -156,6 +156,50 @@ TEST(RpcFork, HandlerThatNeverRepliesTimesOut) {
   expect_exit_code(c, 0);
 }
 
+// An asynchronous call made from a thread of the application is written by
+// that thread when the stream is idle, as a blocking one is, and its deadline
+// is left for the broker to arm at its next turn: the broker is not woken for
+// it, unless the deadline is earlier than its timer's. So 200 calls, one at a
+// time, post one wake-up (the first arms the timer), where each used to post
+// its own (through the outbox). A deadline earlier than the timer's still
+// wakes it (300 ms after 30 s), and one just later (600 ms) is armed when
+// that timer fires: both calls time out.
+TEST(RpcFork, AsyncCallsFromAThreadWakeTheBrokerOnlyForAnEarlierDeadline) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, service_child, named("async"));
+  ASSERT_EQ(c.call(kEcho, std::string_view("up"), 10s), "up");
+
+  const auto before = broker.stats();
+  for (int i = 0; i < 200; ++i) {
+    std::string text = fmt::format("call {}", i);
+    std::future<Message> f = c.call_async(kEcho, Payload::copy_of(text), 30s);
+    ASSERT_EQ(f.wait_for(10s), std::future_status::ready) << text;
+    ASSERT_EQ(f.get().text(), text);
+  }
+  const auto wakes = broker.stats().wakeups_posted - before.wakeups_posted;
+  EXPECT_LE(wakes, 10u) << "the broker was woken for the calls' deadlines";
+
+  auto t0 = Clock::now();
+  std::future<Message> sooner = c.call_async(kNeverReply, Payload::copy_of("300 ms"), 300ms);
+  std::future<Message> later = c.call_async(kNeverReply, Payload::copy_of("600 ms"), 600ms);
+  for (auto [f, at_least] : {std::pair{&sooner, 290ms}, std::pair{&later, 590ms}}) {
+    ASSERT_EQ(f->wait_for(10s), std::future_status::ready) << "the call never timed out";
+    EXPECT_GE(Clock::now() - t0, at_least);
+    try {
+      f->get();
+      ADD_FAILURE() << "no exception";
+    } catch (const TimeoutError& e) {
+      EXPECT_TRUE(contains(e.what(), errtext::kCallTimedOut)) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "wrong exception: " << e.what();
+    }
+  }
+  EXPECT_EQ(c.call(kEcho, std::string_view("after"), 10s), "after");
+  c.shutdown();
+  expect_exit_code(c, 0);
+}
+
 // An asynchronous call to a handler of this same context keeps its deadline,
 // whichever thread makes it and wherever the handler runs: from the broker
 // thread (the handler is posted there), and from another thread to a handler
