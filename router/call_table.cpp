@@ -29,6 +29,8 @@ constexpr std::uint32_t kFree = 0, kPending = 1, kClaimed = 2, kDone = 3, kCance
                         kRetired = 5;
 constexpr std::uint32_t kGenBits = 11;
 constexpr std::uint32_t kIndexBits = 20;
+// Slots retired off the broker thread between two reaps it is asked for.
+constexpr std::uint32_t kRetiredPerReap = 256;
 
 std::uint32_t state_of(std::uint32_t w) { return w & 7; }
 std::uint32_t gen_of(std::uint32_t w) { return w >> 3; }
@@ -187,6 +189,11 @@ void CallTable::finish(Slot& s, std::uint32_t index, Message&& m, std::exception
     s.word.store((w & ~7u) | kRetired, std::memory_order_release);
     pending_.fetch_sub(1, std::memory_order_relaxed);
     retired_.push(index);
+    // The broker reaps when it next arms or expires a deadline; a call whose
+    // deadline it never armed (answered before it could be) may give it no
+    // reason to run: every kRetiredPerReap retirements ask it to.
+    if ((retirements_.fetch_add(1, std::memory_order_relaxed) + 1) % kRetiredPerReap == 0 && loop_)
+      loop_->try_post([this] { reap_retired(); });
   }
   try {
     if (done) done(std::move(m), e);
@@ -231,6 +238,13 @@ bool CallTable::fail(std::uint32_t handle, std::exception_ptr error) {
 bool CallTable::completes_anywhere(std::uint32_t handle) const {
   Slot* s = slot(handle);
   return s && (s->blocking.load(std::memory_order_relaxed) || s->anywhere.load(std::memory_order_relaxed));
+}
+
+bool CallTable::is_pending(std::uint32_t handle) const {
+  Slot* s = slot(handle);
+  if (!s) return false;
+  std::uint32_t w = s->word.load(std::memory_order_acquire);
+  return state_of(w) == kPending && matches(w, handle);
 }
 
 std::optional<std::uint32_t> CallTable::callee_of(std::uint32_t handle) const {
@@ -311,9 +325,9 @@ void CallTable::arm_deadline(std::uint32_t handle, Clock::time_point when) {
   deadlines_->set.insert(*s);
 }
 
-void CallTable::request_arm(std::uint32_t handle, Clock::time_point when) {
+std::uint32_t CallTable::request_arm(std::uint32_t handle, Clock::time_point when) {
   arm_requests_.push(ArmRequest{handle, when.time_since_epoch().count()});
-  arm_requests_pushed_.fetch_add(1, std::memory_order_seq_cst);
+  return arm_requests_pushed_.fetch_add(1, std::memory_order_seq_cst) + 1;
 }
 
 void CallTable::arm_requested() {

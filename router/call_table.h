@@ -98,10 +98,14 @@ class CallTable {
   // one opened with `anywhere`.
   bool completes_anywhere(std::uint32_t handle) const;
   std::optional<std::uint32_t> callee_of(std::uint32_t handle) const;
+  // Whether the call is still waiting for its outcome (any thread; a hint:
+  // it may be completed the moment after).
+  bool is_pending(std::uint32_t handle) const;
 
   // Any thread: asks for an async slot's deadline to be armed by the broker
   // at its next arm_requested(). Lock-free; allocates nothing once warm.
-  void request_arm(std::uint32_t handle, Clock::time_point when);
+  // Returns how many requests wait for the broker, this one included.
+  std::uint32_t request_arm(std::uint32_t handle, Clock::time_point when);
 
   // --- broker thread ---
   // Async slots: the deadline, armed when the request reaches the broker
@@ -122,6 +126,9 @@ class CallTable {
   std::size_t fail_where(const std::function<bool(std::uint32_t callee)>& gone,
                          const std::function<std::exception_ptr(std::uint32_t callee)>& why);
   std::size_t pending() const { return pending_.load(std::memory_order_relaxed); }
+  // Slots built so far: the most calls ever open at once, plus the slots
+  // waiting to be freed (retired, or reused later).
+  std::size_t slots() const { return size_.load(std::memory_order_relaxed); }
 
  private:
   struct Slot;
@@ -150,6 +157,7 @@ class CallTable {
   std::atomic<std::uint32_t> size_{0};
   boost::lockfree::stack<std::uint32_t> free_{256};
   boost::lockfree::stack<std::uint32_t> retired_{64};  // completed off the broker thread
+  std::atomic<std::uint32_t> retirements_{0};  // every kRetiredPerReap, the broker reaps
   struct ArmRequest {
     std::uint32_t handle;
     Clock::rep when;

@@ -15,6 +15,13 @@
 #include "router/router.h"
 
 namespace spindle {
+namespace {
+
+// How many deadline requests from other threads may wait for the broker
+// before one of them wakes it (Router::arm_deadline).
+constexpr std::uint32_t kArmRequestsPerWake = 256;
+
+}  // namespace
 
 std::exception_ptr Router::timeout_error(std::uint32_t callee, std::chrono::milliseconds timeout) const {
   return std::make_exception_ptr(TimeoutError(fmt::format(
@@ -88,8 +95,15 @@ void Router::arm_deadline(std::uint32_t slot, Clock::time_point when) {
     arm_call_timer();
     return;
   }
-  calls_.request_arm(slot, when);
-  if (when.time_since_epoch().count() < call_timer_due_.load(std::memory_order_seq_cst))
+  // A call already answered (a local handler that replied at once) needs
+  // no deadline; the broker reaps its slot (CallTable::finish).
+  if (!calls_.is_pending(slot)) return;
+  const std::uint32_t waiting = calls_.request_arm(slot, when);
+  // Every kArmRequestsPerWake requests wake it too: the requests of calls
+  // answered off the broker thread (a pool worker's reply to a local call)
+  // would otherwise pile up until the timer fires.
+  if (when.time_since_epoch().count() < call_timer_due_.load(std::memory_order_seq_cst) ||
+      waiting % kArmRequestsPerWake == 0)
     broker_.try_defer([this] { arm_call_timer(); });
 }
 

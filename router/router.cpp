@@ -167,6 +167,7 @@ RouterStats Router::stats() {
     s.routes = routes_.size();
     s.handlers = handlers_.size();
     s.pending_calls = calls_.pending();
+    s.call_slots = calls_.slots();
     s.memory_held = budget_->held();
     s.memory_peak = budget_->peak();
     s.memory_limit = budget_->limit();

@@ -113,6 +113,7 @@ struct RouterStats {
   std::uint64_t direct_writes = 0;
   std::size_t streams = 0, routes = 0, handlers = 0;
   std::size_t pending_calls = 0;
+  std::size_t call_slots = 0;  // CallTable::slots(): grows with calls open at once
   std::size_t memory_held = 0, memory_peak = 0, memory_limit = 0;  // all peers together
   std::size_t fds_held = 0, fd_limit = 0;  // fds held for all peers (FdBudget)
   std::size_t state_held = 0, state_limit = 0;  // routes kept for clients (Link::state)

@@ -200,6 +200,32 @@ TEST(RpcFork, AsyncCallsFromAThreadWakeTheBrokerOnlyForAnEarlierDeadline) {
   expect_exit_code(c, 0);
 }
 
+// A call answered off the broker thread (here a local handler that runs on
+// the caller's thread and replies at once) leaves its slot retired until the
+// broker reaps it. The broker is no longer woken for each call (its deadline
+// is not armed: the call is over before it could be), so every 256 retired
+// slots post one reap: 5,000 calls, one at a time, reuse a few hundred
+// slots and post a few dozen wake-ups, where each call used to post one.
+// Without the reap nothing brought the broker round, and each call took a
+// slot of its own.
+TEST(RpcLocal, CallsAnsweredOffTheBrokerThreadGiveTheirSlotsBack) {
+  Broker broker;
+  Router router(broker, root_opts());
+  HandlerOptions anywhere;
+  anywhere.any_thread = true;
+  const std::uint32_t echo = router.add_handler([&router](Message&& m) { router.reply(m, m.data); }, anywhere);
+  Context self(router, router.id(), "self");
+  const auto before = broker.stats();
+  for (int i = 0; i < 5000; ++i) {
+    std::future<Message> f = self.call_async(echo, Payload::copy_of("x"), 30s);
+    ASSERT_EQ(f.wait_for(10s), std::future_status::ready) << "call " << i;
+    ASSERT_EQ(f.get().text(), "x");
+  }
+  EXPECT_LT(router.stats().call_slots, 2048u);
+  EXPECT_EQ(router.stats().pending_calls, 0u);
+  EXPECT_LT(broker.stats().wakeups_posted - before.wakeups_posted, 500u);
+}
+
 // An asynchronous call to a handler of this same context keeps its deadline,
 // whichever thread makes it and wherever the handler runs: from the broker
 // thread (the handler is posted there), and from another thread to a handler
