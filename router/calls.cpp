@@ -77,7 +77,8 @@ std::future<Message> Router::request(Message msg, std::chrono::milliseconds time
 
 // Any thread. The broker keeps async deadlines. From another thread the arm
 // is requested (CallTable::request_arm) and taken up whenever the broker next
-// arms its timer: at the latest when a timer already due by `when` fires.
+// arms its timer: at the latest when a timer already due by `when` fires, or
+// when kArmRequestsPerWake requests have piled up.
 // So the broker is woken only for a deadline earlier than its timer's (or
 // with none armed): with one timeout for every call, once per timer, where
 // it used to be woken for every asynchronous request written from a thread
@@ -112,7 +113,7 @@ void Router::arm_deadline(std::uint32_t slot, Clock::time_point when) {
 void Router::arm_call_timer() {
   calls_.arm_requested();
   auto next = calls_.next_deadline();
-  if (!next || *next >= call_timer_at_) return;
+  if (!next || next->time_since_epoch().count() >= call_timer_due_.load(std::memory_order_relaxed)) return;
   set_call_timer_at(*next);
   call_timer_.expires_at(*next);  // cancels a wait armed for a later deadline
   // link_: a hosted loop (the application's) may run this after the router
@@ -134,7 +135,6 @@ void Router::arm_call_timer() {
 }
 
 void Router::set_call_timer_at(Clock::time_point at) {
-  call_timer_at_ = at;
   call_timer_due_.store(at.time_since_epoch().count(), std::memory_order_seq_cst);
 }
 

@@ -27,11 +27,6 @@ void Router::on_stream_batch_begin(Stream&) { ++batch_depth_; }
 void Router::on_stream_batch_end(Stream&) {
   if (batch_depth_ > 0) --batch_depth_;
   flush_dirty();
-  // Deadlines that other threads asked for (arm_deadline) wait for the
-  // broker's next arm; a read batch takes them up, so those of calls
-  // answered meanwhile are dropped here rather than piling up until the
-  // timer fires.
-  arm_call_timer();
 }
 
 // The reverse-path check: auth_id and src_id must be reachable through `in`.

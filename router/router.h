@@ -425,8 +425,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   int batch_depth_ = 0;
   bool shutting_down_ = false;
   asio::steady_timer call_timer_;
-  Clock::time_point call_timer_at_ = Clock::time_point::max();
-  // call_timer_at_ for other threads (arm_deadline): when the timer fires.
+  // When the timer fires (max: not armed). Written by the broker thread,
+  // read by others too (arm_deadline).
   std::atomic<Clock::rep> call_timer_due_{Clock::time_point::max().time_since_epoch().count()};
   bool hold_unknown_ = false;
   std::vector<Message> held_unknown_;
