@@ -29,6 +29,7 @@
 #include <spindle/codec.h>
 #include <spindle/spindle.h>
 
+#include "broker/wait_hook.h"
 #include "stream/memfd.h"
 
 namespace spindle::python {
@@ -159,8 +160,8 @@ class Completions {
     Payload result;
   };
   void push(Item item);
-  // Waits (GIL released) for the next completion: (token, outcome), or None
-  // once close() was called and the queue is empty.
+  // Waits (GIL released) for completions: a list of every (token, outcome)
+  // queued, or None once close() was called and the queue is empty.
   py::object get();
   void close();
 
@@ -169,6 +170,28 @@ class Completions {
   std::condition_variable cv_;
   std::deque<Item> items_;
   bool closed_ = false;
+};
+
+// Around a send or a call's start from Python. A small one keeps the GIL:
+// it is a few microseconds of work and a non-blocking write, and letting the
+// GIL go would hand it to the thread that completes futures and make this
+// one wait to get it back (a hand-off per call; see broker/wait_hook.h). If
+// the send must wait for queue space, the hook lets the GIL go for the wait.
+// A large body, or one in a memfd (to fill or seal, which may take long),
+// lets it go for the whole send, as before.
+class GilForSend {
+ public:
+  static constexpr std::size_t kKeepGilMax = 64 * 1024;
+  explicit GilForSend(const Payload& body);
+  ~GilForSend();
+  GilForSend(const GilForSend&) = delete;
+  GilForSend& operator=(const GilForSend&) = delete;
+
+ private:
+  PyThreadState* released_ = nullptr;  // the whole send runs without the GIL
+  PyThreadState* waiting_ = nullptr;   // the hook's: let go for a wait
+  WaitHook hook_;
+  std::optional<WaitHook::Scope> scope_;
 };
 
 // A Python callable kept alive from C++ code that may drop it on a thread

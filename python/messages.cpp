@@ -334,7 +334,7 @@ struct PyPort {
       }
     }
     Router& r = self.router();
-    py::gil_scoped_release nogil;  // send() may wait while the peer's queue is full
+    GilForSend gil(m.data);  // let go if send() waits for a full queue
     r.send(std::move(m));
   }
 };

@@ -4,6 +4,8 @@
 // GIL rules, which keep the broker thread free of Python:
 //  - every call that may wait on the broker (a blocking call, spawn, stop,
 //    find, close, serve) releases the GIL first;
+//  - call_async's start and a send keep it (GilForSend), unless they carry
+//    a large or memfd body, and let it go only if they wait for queue space;
 //  - a completion on the broker thread only pushes onto Completions (a C++
 //    lock); Completions::get() releases the GIL while it waits and takes the
 //    GIL back only after dropping its lock, so the broker never waits for a
@@ -66,7 +68,7 @@ struct PyContext {
                   std::shared_ptr<Completions> queue, std::uint64_t token) const {
     Payload a = from_bytes(args);
     Context c = ctx.with_timeout(to_ms(timeout));
-    py::gil_scoped_release nogil;
+    GilForSend gil(a);
     c.start_call(name, std::move(a), [queue = std::move(queue), token](std::exception_ptr e, Payload r) {
       queue->push({token, std::move(e), std::move(r)});  // broker thread: C++ only
     });

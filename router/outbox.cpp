@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "broker/futex.h"
+#include "broker/wait_hook.h"
 
 namespace spindle {
 namespace {
@@ -78,6 +79,7 @@ Outbox::Push Outbox::push(const OutboxRecord& rec, std::span<const std::uint8_t>
     bool woke = true;
     if (tail_.load() + pad + need - head_.load() > capacity_) {
       if (!deadline) deadline = futex::deadline_after(timeout);
+      WaitHook::Around around;  // the thread's hook (the binding's: let the GIL go)
       woke = futex::wait(space_seq_, seq, *deadline);
     }
     space_waiters_.fetch_sub(1);

@@ -12,6 +12,8 @@
 // a seq_cst load costs nothing more.
 #include "stream/output_gauge.h"
 
+#include "broker/wait_hook.h"
+
 namespace spindle {
 
 bool OutputGauge::try_acquire(std::size_t n) {
@@ -26,6 +28,9 @@ bool OutputGauge::try_acquire(std::size_t n) {
 OutputGauge::Admit OutputGauge::acquire(std::size_t n,
                                         std::chrono::steady_clock::time_point deadline) {
   if (try_acquire(n)) return Admit::kOk;
+  // Declared before the lock, so a thread's hook (the binding's: let the GIL
+  // go) runs outside it, and the thread takes the GIL back after unlocking.
+  WaitHook::Around around;
   std::unique_lock lk(mu_);
   waiters_.fetch_add(1);
   Admit result = Admit::kTimeout;

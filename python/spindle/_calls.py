@@ -93,20 +93,20 @@ class _Dispatcher:
 
     def _run(self):
         while True:
-            item = self.queue.get()
-            if item is None:
+            batch = self.queue.get()  # every completion queued so far
+            if batch is None:
                 return
-            token, outcome = item
             with self._lock:
-                future, callee = self._pending.pop(token, (None, 0))
-            if future is None or not future.set_running_or_notify_cancel():
-                continue  # cancelled: the answer is dropped
-            try:
-                result = self._decode(outcome, callee)
-            except BaseException as exc:  # noqa: B902 - it belongs to the caller
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+                pops = [self._pending.pop(token, (None, 0)) for token, _ in batch]
+            for (future, callee), (_, outcome) in zip(pops, batch):
+                if future is None or not future.set_running_or_notify_cancel():
+                    continue  # cancelled: the answer is dropped
+                try:
+                    result = self._decode(outcome, callee)
+                except BaseException as exc:  # noqa: B902 - it belongs to the caller
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
 
     def close(self):
         self.queue.close()  # the thread drains what is queued, then ends

@@ -4,7 +4,9 @@ Timeouts here are failure bounds only: every wait ends with a message that
 the test caused, never with time passing (except the timeout tests).
 """
 
+import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -64,6 +66,21 @@ def keeping_main(env):
 
     env.expose("inbox", lambda: rx.sender)
     env.expose("first", first)
+    threading.Thread(target=loop, daemon=True).start()
+    return env.serve()
+
+
+def counting_main(env):
+    """A child that counts what its receiver takes."""
+    rx = env.receiver()
+    got = [0]
+
+    def loop():
+        for _ in rx:
+            got[0] += 1
+
+    env.expose("rx_handle", lambda: rx.handle)
+    env.expose("count", lambda: got[0])
     threading.Thread(target=loop, daemon=True).start()
     return env.serve()
 
@@ -345,3 +362,53 @@ def test_messages_between_router_clients_refuse_pickle(router_socket):
             to_a.send(rx.handle, "after")  # the receiver goes on
             msg = rx.get(timeout=BOUND)
             assert msg.data == "after" and msg.src_id == b.id
+
+
+def test_a_send_waiting_for_queue_space_lets_other_threads_run(router):
+    """A small send keeps the GIL (cheaper than handing it to another thread
+    and back), but never while it waits: a stopped child reads nothing, its
+    queue fills, and the sending thread waits there while this thread goes on
+    running Python. Held through that wait, the GIL would stop this thread
+    until the send gave up."""
+    child = router.fork(counting_main)
+    handle = child.call("rx_handle")
+    chunk = b"x" * 60000  # small enough to keep the GIL; 600 of them pass the 8 MiB mark
+    total = 600
+    sent = [0]
+    errors = []
+
+    def send_all():
+        try:
+            for _ in range(total):
+                child.send(handle, chunk)
+                sent[0] += 1
+        except Exception as e:  # noqa: B902 - reported by the assertion below
+            errors.append(e)
+
+    os.kill(child.pid, signal.SIGSTOP)
+    sender = threading.Thread(target=send_all, daemon=True)
+    try:
+        sender.start()
+        # Until the sender stops moving: it waits for the stopped child.
+        deadline = time.monotonic() + BOUND
+        last, still_since = -1, time.monotonic()
+        while time.monotonic() - still_since < 0.5:
+            assert time.monotonic() < deadline and not errors, errors
+            if sent[0] != last:
+                last, still_since = sent[0], time.monotonic()
+            time.sleep(0.01)
+        assert 0 < last < total
+        # Pure Python, which needs the GIL, runs while the sender still waits.
+        spins, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 0.2:
+            spins += 1
+        assert spins > 1000
+        assert sent[0] == last and sender.is_alive()
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    sender.join(BOUND)
+    assert not sender.is_alive() and not errors and sent[0] == total
+    deadline = time.monotonic() + BOUND
+    while child.call("count") < total:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
