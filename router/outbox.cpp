@@ -78,9 +78,13 @@ Outbox::Push Outbox::push(const OutboxRecord& rec, std::span<const std::uint8_t>
     space_waiters_.fetch_add(1);
     bool woke = true;
     if (tail_.load() + pad + need - head_.load() > capacity_) {
-      if (!deadline) deadline = futex::deadline_after(timeout);
-      WaitHook::Around around;  // the thread's hook (the binding's: let the GIL go)
-      woke = futex::wait(space_seq_, seq, *deadline);
+      if (timeout.count() > 0) {
+        if (!deadline) deadline = futex::deadline_after(timeout);
+        WaitHook::Around around;  // the thread's hook (the binding's: let the GIL go)
+        woke = futex::wait(space_seq_, seq, *deadline);
+      } else {
+        woke = false;  // may not wait: no sleep, no hook
+      }
     }
     space_waiters_.fetch_sub(1);
     if (!woke) return Push::kTimeout;
