@@ -245,6 +245,12 @@ bool Router::upstream(std::uint32_t id) {
 void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsent unsent) {
   auto it = links_.find(&s);
   if (it == links_.end()) return;
+  // Corked until the departure is fully handled. Each DEL_ROUTE and dead
+  // reply below is written at the end, once per link: written at once, a
+  // write to a peer that has gone too closed its stream in the middle of
+  // the loop over Link pointers in announce(), which freed a Link that the
+  // loop then read (a crash when several clients went at once).
+  BatchScope batch(*this);
   std::unique_ptr<Link> link = std::move(it->second);
   const std::string why = link->explain_close ? link->explain_close(stream_reason) : stream_reason;
   links_.erase(it);

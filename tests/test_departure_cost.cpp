@@ -80,5 +80,35 @@ TEST_F(DepartureCost, ALinksDepartureVisitsOnlyWhatItOwned) {
   expect_served("65,536 routes came and went");
 }
 
+// Clients that talked to each other go at once. Each departure tells the
+// others (DEL_ROUTE), and the write to one that has gone too closes its
+// stream within the first departure's handling. The router must survive and
+// serve: it crashed when that nested close freed a Link that the first
+// departure's loop over the links to tell still held (the departure is now
+// corked, so its writes go out after the loop).
+TEST_F(DepartureCost, ClientsThatTalkedToEachOtherAndGoAtOnceLeaveTheRouterServing) {
+  start();
+  constexpr int kPeers = 24;
+  constexpr std::uint32_t kHandle = 2700;
+  std::vector<RawPeer> peers;
+  std::vector<std::uint32_t> ids;
+  for (int i = 0; i < kPeers; ++i) {
+    peers.push_back(raw_client());
+    ids.push_back(id_);
+  }
+  // One frame from each to each other: each is then told when the others go.
+  for (int i = 0; i < kPeers; ++i) {
+    std::string burst;
+    for (int j = 0; j < kPeers; ++j)
+      if (j != i) burst += frame_bytes(frame(ids[j], ids[i], ids[i], kHandle, 0), "");
+    peers[i].write_all(burst);
+  }
+  std::vector<std::uint8_t> in((kPeers - 1) * kHeaderSize);
+  for (int i = 0; i < kPeers; ++i)
+    ASSERT_EQ(peers[i].read_exact(in.data(), in.size(), 20s), static_cast<long>(in.size())) << "peer " << i;
+  peers.clear();  // every socket closed within microseconds
+  expect_served(std::to_string(kPeers) + " clients that talked to each other went at once");
+}
+
 }  // namespace test_departure_cost
 }  // namespace spindle
