@@ -86,6 +86,7 @@ std::vector<ClientStats> Router::client_stats() {
       c.messages_out = st.messages_out;
       c.bytes_in = st.bytes_in;
       c.bytes_out = st.bytes_out;
+      c.writes = st.writes;
       c.queued_bytes = l->stream->gauge().queued();
       c.memory_held = l->stream->account()->held();
       c.memory_peak = l->stream->account()->peak();

@@ -92,6 +92,7 @@ struct ClientStats {
   Dialect dialect = Dialect::kSpindle;
   std::uint32_t pid = 0, uid = 0;
   std::uint64_t messages_in = 0, messages_out = 0, bytes_in = 0, bytes_out = 0;
+  std::uint64_t writes = 0;  // write syscalls that carried messages_out
   std::size_t queued_bytes = 0;
   std::size_t memory_held = 0, memory_peak = 0;  // its Account
   std::size_t fds_held = 0;                      // fds it sent that are still held
@@ -423,6 +424,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   Link* parent_ = nullptr;
   std::vector<std::shared_ptr<Stream>> dirty_;
   int batch_depth_ = 0;
+  bool pass_flush_queued_ = false;  // a flush_dirty() posted behind the pass's turns
   bool shutting_down_ = false;
   asio::steady_timer call_timer_;
   // When the timer fires (max: not armed). Written by the broker thread,
