@@ -139,6 +139,10 @@ void Router::remove_route(std::uint32_t id) {
 void Router::on_stream_open(Stream& s) {
   Link* l = link_of(s);
   if (!l) return;
+  // Corked, as a departure is: the announcements below go out at the end, so
+  // a write that fails (and closes its stream, erasing its Link) cannot
+  // happen inside the loop over links_.
+  BatchScope batch(*this);
   const PeerInfo& p = s.peer();
   if (l->role == StreamRole::kParent) {
     id_.store(p.local_id, std::memory_order_release);
