@@ -119,11 +119,7 @@ void Router::arm_call_timer() {
   // link_: a hosted loop (the application's) may run this after the router
   // is gone, if the timer fired just before it was destroyed.
   call_timer_.async_wait([this, link = link_](const std::error_code& ec) {
-    if (ec == asio::error::operation_aborted) return;
-    {
-      std::shared_lock lk(link->mu);
-      if (!link->router) return;
-    }
+    if (ec == asio::error::operation_aborted || !link->alive()) return;
     set_call_timer_at(Clock::time_point::max());
     calls_.arm_requested();  // after the store above: see arm_deadline
     calls_.expire(Clock::now(), [this](std::uint32_t callee) {

@@ -10,8 +10,6 @@
 // A dead reply carries the unreachable context as its src_id: the router
 // answers on that context's behalf, and a caller accepts replies to a call
 // only from its callee (docs/PROTOCOL.md §7.5).
-#include <shared_mutex>
-
 #include <asio/post.hpp>
 #include <fmt/format.h>
 
@@ -43,10 +41,7 @@ void Router::on_stream_batch_end(Stream&) {
       // Posted behind the turns queued now: it runs when they have. A hosted
       // loop may run it after the router is gone (link_ says so).
       asio::post(broker_.io(), [this, link = link_] {
-        {
-          std::shared_lock lk(link->mu);
-          if (!link->router) return;
-        }
+        if (!link->alive()) return;
         pass_flush_queued_ = false;
         flush_dirty();
       });

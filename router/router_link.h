@@ -21,6 +21,15 @@ namespace spindle::detail {
 struct RouterLink {
   std::shared_mutex mu;
   Router* router = nullptr;  // guarded by mu; null once the router is gone
+
+  // For a handler of the router's own that a hosted loop (the application's)
+  // may run after the router is gone: whether it still exists. A router is
+  // not destroyed while one of its handlers runs, so true holds for the rest
+  // of the handler.
+  bool alive() {
+    std::shared_lock lk(mu);
+    return router != nullptr;
+  }
 };
 
 }  // namespace spindle::detail
