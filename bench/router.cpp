@@ -16,6 +16,14 @@
 //               relay then writes one frame per write: what an interleaved
 //               pattern costs raw).
 //               The router's peak RSS (VmHWM, reset before each N) beside it.
+//   raw clients the floor's own writers and readers (bench/raw_pairs.h), N
+//               pairs, with spindle-router in the relay's place: the router
+//               against the relay alone, since 2N Spindle clients on this
+//               machine's cores cost more CPU per message than the whole
+//               floor. Then a longer flood of the same, during which two
+//               other clients time calls: what the bound on a pass over the
+//               busy streams (stream.cpp) leaves a client that is not
+//               flooding.
 //   forward     allocations per forwarded message on the broker thread of an
 //               in-process router (Router + Listener, as spindle-router runs
 //               them), counted by bench/alloc_count.h; the separate
@@ -53,6 +61,7 @@
 #include "router/connect.h"
 #include "router/listener.h"
 #include "tests/process_util.h"
+#include "tests/raw_peer.h"
 #ifdef SPINDLE_BENCH_HAVE_ZMQ
 #include "bench/zmq_peer.h"
 #endif
@@ -65,6 +74,9 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint32_t kEcho = 2400;
 constexpr std::size_t kSize = bench::kPairsMessageSize;
 constexpr int kMaxSenderThreads = bench::kPairsMaxSenderThreads;
+// The raw flood under which round trips are measured is this many times
+// the throughput run's, so that it lasts a few seconds.
+constexpr std::uint64_t kFloodRttScale = 16;
 
 constexpr const char* kErrEcho = "the echo came back wrong";
 
@@ -145,7 +157,10 @@ bool reset_peak_rss(pid_t pid) {
   return static_cast<bool>(f);
 }
 
-std::vector<double> spindle_rtt(const UnixAddress& address, const Config& cfg) {
+// Round trips of a 64 B call from client A to client B's echo: `warmup`,
+// then `iters` measured, or, with `until`, measured until it is set.
+std::vector<double> spindle_rtt(const UnixAddress& address, int warmup, int iters,
+                                const std::atomic<bool>* until = nullptr) {
   Connection b(RouterOptions{.name = "echo"});
   b.router().add_handler([&r = b.router()](Message&& m) { r.reply(m, std::move(m.data)); }, {}, kEcho);
   b.connect(address);
@@ -155,19 +170,65 @@ std::vector<double> spindle_rtt(const UnixAddress& address, const Config& cfg) {
   std::uint8_t msg[kSize], back[kSize];
   for (std::size_t i = 0; i < kSize; ++i) msg[i] = static_cast<std::uint8_t>(i * 7 + 1);
   std::vector<double> us;
-  us.reserve(static_cast<std::size_t>(cfg.rtt_iters));
-  for (int i = 0; i < cfg.rtt_warmup + cfg.rtt_iters; ++i) {
+  us.reserve(static_cast<std::size_t>(iters));
+  for (int i = 0; until ? !until->load() : i < warmup + iters; ++i) {
     auto t0 = Clock::now();
     Payload rep = to_b.call(kEcho, Payload::copy_of(std::span<const std::uint8_t>(msg, kSize)));
     auto t1 = Clock::now();
     if (rep.size() != kSize) throw std::runtime_error(kErrEcho);
     rep.copy_to(back);
     if (std::memcmp(msg, back, kSize) != 0) throw std::runtime_error(kErrEcho);
-    if (i >= cfg.rtt_warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
   a.close();
   b.close();
   return us;
+}
+
+// The floor's own raw clients (bench/raw_pairs.h) with spindle-router in
+// the relay's place: N raw writers and N raw readers, each a socket that
+// has made the Spindle handshake, writer i addressing reader i by the id the
+// router gave it. What differs from the floor is the middle hop alone.
+// Returns frames/s and the router's CPU per frame; with `rtt`, also the
+// round trips of a call between two other clients (spindle_rtt), made
+// while the flood lasts: what a client that is not flooding waits while
+// every other stream is busy (the bound on a pass, stream.cpp).
+struct RawClientsRun {
+  bench::RelayRun flood;
+  std::vector<double> rtt_us;
+};
+RawClientsRun raw_clients_throughput(const UnixAddress& address, pid_t router, int n,
+                                     std::uint64_t per_pair, bool rtt = false) {
+  std::vector<testutil::RawPeer> peers;
+  peers.reserve(2 * static_cast<std::size_t>(n));
+  std::vector<bench::RawPair> ends;
+  for (int i = 0; i < n; ++i) {
+    peers.push_back(testutil::RawPeer::connect_to(address));
+    const std::uint32_t reader = peers.back().handshake();
+    const int reader_fd = peers.back().fd;
+    peers.push_back(testutil::RawPeer::connect_to(address));
+    const std::uint32_t writer = peers.back().handshake();
+    ends.push_back({peers.back().fd, reader_fd, reader, writer});
+  }
+  const std::uint64_t cpu0 = process_cpu_ns(router);
+  std::atomic<bool> flood_done{false};
+  std::future<std::vector<double>> probe;
+  if (rtt)
+    probe = std::async(std::launch::async, [&] { return spindle_rtt(address, 10, 0, &flood_done); });
+  double secs = 0;
+  try {
+    secs = bench::run_raw_pairs(ends, per_pair, kSize, std::min(n, kMaxSenderThreads),
+                                bench::kFramesPerTurn);
+  } catch (...) {
+    flood_done.store(true);
+    if (probe.valid()) probe.wait();
+    throw;
+  }
+  flood_done.store(true);
+  const double frames = static_cast<double>(per_pair) * n;
+  RawClientsRun run{{frames / secs, static_cast<double>(process_cpu_ns(router) - cpu0) / frames}, {}};
+  if (probe.valid()) run.rtt_us = probe.get();
+  return run;
 }
 
 // Allocations per forwarded message on the broker thread of a router in this
@@ -219,7 +280,7 @@ int run(const Config& cfg, bench::Report& report) {
   report.add("router_rss_idle_MiB", status_kib(proc.pid(), "VmRSS") / 1024.0, "MiB");
 
   // Round trips.
-  auto sp = bench::percentiles(spindle_rtt(address, cfg));
+  auto sp = bench::percentiles(spindle_rtt(address, cfg.rtt_warmup, cfg.rtt_iters));
   auto raw = bench::percentiles(bench::relay_rtt(kSize, cfg.rtt_warmup, cfg.rtt_iters));
   std::printf("rtt (median / p99 us, %d calls): routed %.1f / %.1f, raw relay %.1f / %.1f\n",
               cfg.rtt_iters, sp.median, sp.p99, raw.median, raw.p99);
@@ -253,16 +314,22 @@ int run(const Config& cfg, bench::Report& report) {
     const int threads = std::min(n, kMaxSenderThreads);
     const bench::RelayRun floor = bench::relay_throughput(n, per_pair, kSize, threads);
     const bench::RelayRun unbatched = bench::relay_throughput(n, per_pair, kSize, threads, 1);
+    const bench::RelayRun raw_clients = raw_clients_throughput(address, proc.pid(), n, per_pair).flood;
+    const RawClientsRun raw_busy =
+        raw_clients_throughput(address, proc.pid(), n, per_pair * kFloodRttScale, true);
     floors.emplace_back(n, floor.frames_per_s);
     const double rate_one = msgs / secs_one;
     std::printf("throughput, %d pair(s) x %llu messages, %llu per turn: routed %.0f msgs/s, raw relay "
                 "%.0f msgs/s; one per turn: routed %.0f, relay %.0f (one frame per write); CPU per "
                 "message: router %.0f ns (relay thread %.0f ns), clients %.0f ns; router peak RSS "
-                "%.1f MiB%s\n",
+                "%.1f MiB%s\n"
+                "  the floor's raw clients through spindle-router: %.0f msgs/s, router CPU %.0f ns "
+                "per message\n",
                 n, static_cast<unsigned long long>(per_pair),
                 static_cast<unsigned long long>(bench::kFramesPerTurn), rate, floor.frames_per_s,
                 rate_one, unbatched.frames_per_s, router_cpu / msgs, floor.relay_cpu_ns_per_frame,
-                client_cpu / msgs, peak_mib, peak_reset ? "" : " (peak since start: clear_refs refused)");
+                client_cpu / msgs, peak_mib, peak_reset ? "" : " (peak since start: clear_refs refused)",
+                raw_clients.frames_per_s, raw_clients.relay_cpu_ns_per_frame);
     const std::string suffix = fmt::format("{}_clients", n);
     report.add("routed_throughput_" + suffix, rate, "msgs/s", floor.frames_per_s);
     report.add("relay_unbatched_throughput_" + suffix, unbatched.frames_per_s, "msgs/s",
@@ -272,6 +339,21 @@ int run(const Config& cfg, bench::Report& report) {
     report.add("router_cpu_ns_per_msg_" + suffix, router_cpu / msgs, "ns/msg",
                floor.relay_cpu_ns_per_frame);
     report.add("client_cpu_ns_per_msg_" + suffix, client_cpu / msgs, "ns/msg");
+    const std::string raw_suffix = fmt::format("{}_raw_clients", n);
+    report.add("routed_throughput_" + raw_suffix, raw_clients.frames_per_s, "msgs/s", floor.frames_per_s);
+    report.add("router_cpu_ns_per_msg_" + raw_suffix, raw_clients.relay_cpu_ns_per_frame, "ns/msg",
+               floor.relay_cpu_ns_per_frame);
+    if (raw_busy.rtt_us.empty()) {
+      std::printf("  no call completed while those raw clients flooded (%.0f msgs/s)\n",
+                  raw_busy.flood.frames_per_s);
+    } else {
+      const auto busy = bench::percentiles(raw_busy.rtt_us);
+      std::printf("  a call's round trip while they flood (%.0f msgs/s): median %.1f us, p99 %.1f us "
+                  "(%zu calls)\n", raw_busy.flood.frames_per_s, busy.median, busy.p99,
+                  raw_busy.rtt_us.size());
+      report.add("routed_rtt_64B_during_raw_flood_" + suffix, busy.median, "us");
+      report.add("routed_rtt_64B_during_raw_flood_" + suffix + "_p99", busy.p99, "us");
+    }
     report.add("router_peak_rss_" + suffix + "_MiB", peak_mib, "MiB");
   }
 
