@@ -106,7 +106,7 @@ std::string Router::route_state_spent(const Link& in) const {
 void Router::forward_log(Link& in, const Message& m) {
   // Children always; a listener's clients only where the router allows it.
   if (in.client && !opts_.accept_client_logs) {
-    note_refusal(in, "FORWARD_LOG", "log lines from router clients are not accepted (--accept-client-logs)");
+    note_refusal(in, "FORWARD_LOG", [] { return std::string(reason::kClientLogsRefused); });
     return;
   }
   const auto now = Clock::now();

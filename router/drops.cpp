@@ -36,13 +36,15 @@ void Router::note_wrong_sender(const std::string& why) {
   wrong_senders_.logged_at = now;
 }
 
-void Router::note_refusal(Link& in, std::string_view kind, const std::string& why) {
-  auto now = Clock::now();
+bool Router::refusal_due(Link& in) {
   ++in.refusals;
-  if (now - in.refusal_logged_at < std::chrono::seconds(1)) return;
+  return Clock::now() - in.refusal_logged_at >= std::chrono::seconds(1);
+}
+
+void Router::log_refusal(Link& in, std::string_view kind, const std::string& why) {
   log().warn("stream={} {} refusal(s) ({}); the last: {}", in.stream->name(), in.refusals, kind, why);
   in.refusals = 0;
-  in.refusal_logged_at = now;
+  in.refusal_logged_at = Clock::now();
 }
 
 }  // namespace spindle

@@ -59,15 +59,17 @@ bool Router::reverse_path_ok(Link& in, const Header& h) {
     // Nothing arriving from outside may claim to come from this context.
     Link* expect = claimed == id() ? nullptr : route_for(claimed);
     if (expect == &in) continue;
-    std::string why = fmt::format("{}: context {} cannot send via stream {}", reason::kReversePath,
-                                  claimed, in.stream->name());
+    auto why = [&] {
+      return fmt::format("{}: context {} cannot send via stream {}", reason::kReversePath, claimed,
+                         in.stream->name());
+    };
     note_refusal(in, reason::kReversePath, why);
     if (h.reply_to != 0 && !h.is_dead()) {
       // Back on the stream it came in on, to the id it claimed: never routed
       // to the real owner of that id.
       Message d;
       d.header = dead_header(h);
-      d.data = Payload::copy_of(why);
+      d.data = Payload::copy_of(why());
       enqueue_on(in, std::move(d), 0);
       mark_dirty(in);
     }
@@ -89,10 +91,12 @@ bool Router::note_egress(Link& in, const Header& h) {
   if (dst == in.last_egress || dst == id() || (!parent_ && !routes_.count(dst))) return true;
   if (!in.egress.contains(dst)) {
     if (!in.state.grow(kEgressStateBytes)) {
-      std::string why = fmt::format("context {} cannot be told when context {} goes: {}", in.remote_id, dst,
-                                    route_state_spent(in));
+      auto why = [&] {
+        return fmt::format("context {} cannot be told when context {} goes: {}", in.remote_id, dst,
+                           route_state_spent(in));
+      };
       if (h.reply_to != 0 && !h.is_dead()) {
-        send_dead(h, std::move(why));
+        send_dead(h, why());
         return false;
       }
       note_refusal(in, "departure notice", why);

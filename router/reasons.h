@@ -32,5 +32,7 @@ inline constexpr std::string_view kMemoryLimit = "over the memory limit";
 inline constexpr std::string_view kIdsExhausted = "context ids exhausted: no id is free";
 inline constexpr std::string_view kNotYourId = "refused: the id was not allocated to this link";
 inline constexpr std::string_view kNotFromCallee = "reply from unexpected context";
+inline constexpr std::string_view kClientLogsRefused =
+    "log lines from router clients are not accepted (--accept-client-logs)";
 
 }  // namespace spindle::reason

@@ -34,6 +34,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <future>
@@ -348,7 +349,20 @@ class Router : public StreamListener, public ShutdownParticipant {
   // A reply to a pending call from a context other than its callee (a forged
   // or misrouted reply): counted, logged at most once a second.
   void note_wrong_sender(const std::string& why);
-  void note_refusal(Link& in, std::string_view kind, const std::string& why);
+  // A refusal of `in`'s: counted, and logged at most once a second per link.
+  // Where a peer can make refusals as fast as it writes, `why` is a callable
+  // that makes the text: it runs only for the line that is logged, so a
+  // flood of refused frames costs a counter each, not a formatted string.
+  void note_refusal(Link& in, std::string_view kind, const std::string& why) {
+    if (refusal_due(in)) log_refusal(in, kind, why);
+  }
+  template <class MakeWhy>
+    requires std::invocable<MakeWhy&>
+  void note_refusal(Link& in, std::string_view kind, MakeWhy&& why) {
+    if (refusal_due(in)) log_refusal(in, kind, why());
+  }
+  bool refusal_due(Link& in);
+  void log_refusal(Link& in, std::string_view kind, const std::string& why);
   // calls.cpp
   std::exception_ptr timeout_error(std::uint32_t callee, std::chrono::milliseconds timeout) const;
   void start_request(Message msg, std::chrono::milliseconds timeout, CallTable::Completion done,
