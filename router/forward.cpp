@@ -31,11 +31,27 @@ namespace spindle {
 // write for what every turn of the pass brought it. The pass is bounded
 // (about 4,096 frames), so that is all a frame waits; a stream busy on its
 // own (no other turn queued) is flushed at its turn's end, as before.
-void Router::on_stream_batch_begin(Stream&) { ++batch_depth_; }
+// A small turn (a call or a reply: at most kSmallTurnFrames frames) writes
+// what it queued at its end all the same: batching has nothing to gain
+// there, and a round trip through a flooded router would otherwise wait a
+// pass at each hop. It writes to the few streams it made dirty, never to
+// every dirty one, so a client that sends one frame at a time costs the
+// router a write per frame it sends, not a flush of the whole pass.
+void Router::on_stream_batch_begin(Stream&) {
+  if (batch_depth_++ != 0) return;
+  in_turn_ = true;
+  turn_frames_ = 0;
+  turn_dirty_count_ = 0;
+  turn_dirty_overflow_ = false;
+}
 
 void Router::on_stream_batch_end(Stream&) {
   if (batch_depth_ > 0) --batch_depth_;
-  if (batch_depth_ == 0 && !dirty_.empty() && broker_.queued_input_turns() > 0) {
+  if (batch_depth_ != 0) return;
+  in_turn_ = false;
+  const bool small = turn_frames_ <= kSmallTurnFrames && !turn_dirty_overflow_;
+  if (!dirty_.empty() && broker_.queued_input_turns() > 0) {
+    if (small) flush_turn_output();
     if (!pass_flush_queued_) {
       pass_flush_queued_ = true;
       // Posted behind the turns queued now: it runs when they have. A hosted
@@ -46,9 +62,33 @@ void Router::on_stream_batch_end(Stream&) {
         flush_dirty();
       });
     }
+  } else {
+    flush_dirty();
+  }
+  for (std::size_t i = 0; i < turn_dirty_count_; ++i) turn_dirty_[i].reset();
+  turn_dirty_count_ = 0;
+}
+
+// Remembers a stream that the turn under way made dirty, while the turn is
+// small enough to write its output at its end.
+void Router::note_turn_output(Link& l) {
+  if (turn_frames_ > kSmallTurnFrames || turn_dirty_overflow_) return;
+  for (std::size_t i = 0; i < turn_dirty_count_; ++i)
+    if (turn_dirty_[i] == l.stream) return;
+  if (turn_dirty_count_ == turn_dirty_.size()) {
+    turn_dirty_overflow_ = true;
     return;
   }
-  flush_dirty();
+  turn_dirty_[turn_dirty_count_++] = l.stream;
+}
+
+// Writes what the small turn queued. The streams stay in dirty_ (what later
+// turns of the pass bring them goes with the pass flush, for which this
+// write leaves nothing to do). A write may close its stream: the pointers
+// keep each alive until the batch's end, and flush() does nothing on a
+// closed one.
+void Router::flush_turn_output() {
+  for (std::size_t i = 0; i < turn_dirty_count_; ++i) turn_dirty_[i]->flush();
 }
 
 // The reverse-path check: auth_id and src_id must be reachable through `in`.
@@ -110,6 +150,7 @@ bool Router::note_egress(Link& in, const Header& h) {
 }
 
 void Router::on_stream_frame(Stream& s, InFrame& f) {
+  ++turn_frames_;
   auto* in = static_cast<Link*>(s.tag());
   if (!in || !reverse_path_ok(*in, f.header) || !note_egress(*in, f.header)) return;
   if (f.header.dst_id == id()) {
@@ -122,6 +163,7 @@ void Router::on_stream_frame(Stream& s, InFrame& f) {
 
 // Frames taken as Messages by the stream: those that carried fds.
 void Router::on_stream_message(Stream& s, Message&& m) {
+  ++turn_frames_;
   auto* in = static_cast<Link*>(s.tag());
   if (!in || !reverse_path_ok(*in, m.header) || !note_egress(*in, m.header)) return;
   if (m.header.dst_id == id()) {
@@ -246,6 +288,7 @@ bool Router::enqueue_on(Link& out, Message&& m, std::size_t charged) {
 
 void Router::mark_dirty(Link& l) {
   if (batch_depth_ == 0) return l.stream->flush();
+  if (in_turn_ && batch_depth_ == 1) note_turn_output(l);
   if (!l.dirty) {
     l.dirty = true;
     dirty_.push_back(l.stream);

@@ -32,6 +32,7 @@
 // Destroying a Router shuts its broker down and joins it first.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <concepts>
@@ -344,6 +345,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   void refuse_undecodable(Link& out, Message&& m);
   void flush_dirty();
   void mark_dirty(Link& l);
+  void note_turn_output(Link& l);
+  void flush_turn_output();
   // drops.cpp: what could not be answered, counted and logged in summary
   void note_undeliverable(const Header& h, const std::string& why);
   // A reply to a pending call from a context other than its callee (a forged
@@ -439,6 +442,16 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::vector<std::shared_ptr<Stream>> dirty_;
   int batch_depth_ = 0;
   bool pass_flush_queued_ = false;  // a flush_dirty() posted behind the pass's turns
+  // The stream turn under way (on_stream_batch_begin to _end): the frames it
+  // delivered, and the streams it made dirty while it was small. A turn of
+  // at most kSmallTurnFrames (a call, a reply) writes its output at its end,
+  // not at the pass's (forward.cpp).
+  static constexpr std::size_t kSmallTurnFrames = 2;
+  bool in_turn_ = false;
+  std::size_t turn_frames_ = 0;
+  std::array<std::shared_ptr<Stream>, 4> turn_dirty_{};
+  std::size_t turn_dirty_count_ = 0;
+  bool turn_dirty_overflow_ = false;
   bool shutting_down_ = false;
   asio::steady_timer call_timer_;
   // When the timer fires (max: not armed). Written by the broker thread,

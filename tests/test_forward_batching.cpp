@@ -75,5 +75,59 @@ TEST(ForwardBatching, TheTurnsOfAPassLeaveInOneWritePerDestination) {
               static_cast<unsigned long long>(out), kPeers, static_cast<unsigned long long>(writes));
 }
 
+// A turn of a frame or two (a call, a reply) is written at its end, not at
+// the end of its pass: in a flooded router, a round trip would otherwise
+// wait a pass at each hop. Two flooders fill a chunk each, so turns are
+// queued when A's single frame for B has its turn; X's frame, next in the
+// same pass, runs a handler that holds the router's broker thread. B must
+// have A's frame while it is held: with the pass flush only, it came when
+// the handler let go.
+TEST(ForwardBatching, ASmallTurnIsWrittenAtItsEndNotAtThePassEnd) {
+  constexpr std::uint32_t kGate = 2701;
+  InProcessRouter r;
+  std::promise<void> entered, open;
+  std::shared_future<void> open_f = open.get_future().share();
+  r.router().add_handler([&](Message&&) {
+    entered.set_value();
+    open_f.wait();
+  }, {}, kGate);
+  RawPeer sink = RawPeer::connect_to(r.address()), f1 = RawPeer::connect_to(r.address()),
+          f2 = RawPeer::connect_to(r.address()), a = RawPeer::connect_to(r.address()),
+          b = RawPeer::connect_to(r.address()), x = RawPeer::connect_to(r.address());
+  const std::uint32_t sink_id = sink.handshake(), f1_id = f1.handshake(), f2_id = f2.handshake(),
+                      a_id = a.handshake(), b_id = b.handshake(), x_id = x.handshake();
+  const int big = 1 << 20;  // the kernel caps it; enough for one burst
+  for (RawPeer* p : {&sink, &f1, &f2})
+    for (int opt : {SO_SNDBUF, SO_RCVBUF}) ASSERT_EQ(::setsockopt(p->fd, SOL_SOCKET, opt, &big, sizeof big), 0);
+  auto burst = [&](std::uint32_t from) {
+    std::string out;
+    while (out.size() <= 136 * 1024) out += frame_bytes(frame(sink_id, from, from, kHandle, 0), "");
+    return out;
+  };
+
+  std::promise<void> parked, go;
+  auto go_f = go.get_future();
+  r.router().broker().defer([&] {
+    parked.set_value();
+    go_f.wait();
+  });
+  parked.get_future().wait();
+  f1.write_all(burst(f1_id));
+  f2.write_all(burst(f2_id));
+  a.write_all(frame_bytes(frame(b_id, a_id, a_id, kHandle, 0), "ping"));
+  x.write_all(frame_bytes(frame(r.router().id(), x_id, x_id, kGate, 0), ""));
+  go.set_value();
+
+  auto entered_f = entered.get_future();
+  const bool held = entered_f.wait_for(20s) == std::future_status::ready;
+  Message m;
+  const bool got = held && b.read_frame(m, 5s);
+  open.set_value();
+  ASSERT_TRUE(held) << "the gate's frame never had its turn";
+  ASSERT_TRUE(got) << "A's frame waited for the end of the pass, behind the held turn";
+  EXPECT_EQ(m.header.src_id, a_id);
+  EXPECT_EQ(m.data.to_string(), "ping");
+}
+
 }  // namespace test_forward_batching
 }  // namespace spindle
