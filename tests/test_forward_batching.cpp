@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,30 @@ using testutil::InProcessRouter;
 using testutil::RawPeer;
 
 constexpr std::uint32_t kHandle = 2700;
+
+// Holds a router's broker thread from construction to release(), so that
+// what clients write meanwhile waits in their sockets for the next pass.
+class HeldBroker {
+ public:
+  explicit HeldBroker(Router& r) {
+    auto parked = std::make_shared<std::promise<void>>();
+    auto parked_f = parked->get_future();
+    r.broker().defer([parked, go = go_.get_future().share()] {
+      parked->set_value();
+      go.wait();
+    });
+    parked_f.wait();
+  }
+  ~HeldBroker() { release(); }
+  void release() {
+    if (!released_) go_.set_value();
+    released_ = true;
+  }
+
+ private:
+  std::promise<void> go_;
+  bool released_ = false;
+};
 
 // 16 clients send to each other, every one 350 frames to each of the 15
 // others: 136 KiB each, waiting in their sockets when the router looks (its
@@ -48,15 +73,9 @@ TEST(ForwardBatching, TheTurnsOfAPassLeaveInOneWritePerDestination) {
         if (j != i) bursts[i] += frame_bytes(frame(ids[j], ids[i], ids[i], kHandle, 0), "");
   ASSERT_GT(bursts[0].size(), 128u * 1024) << "each burst must fill a read chunk";
 
-  std::promise<void> parked, go;
-  auto go_f = go.get_future();
-  r.router().broker().defer([&] {
-    parked.set_value();
-    go_f.wait();
-  });
-  parked.get_future().wait();
+  HeldBroker held(r.router());
   for (int i = 0; i < kPeers; ++i) peers[i].write_all(bursts[i]);
-  go.set_value();
+  held.release();
 
   // Each peer gets (kPeers - 1) * kEach frames of a bare header.
   const std::size_t expect = static_cast<std::size_t>(kPeers - 1) * kEach * kHeaderSize;
@@ -105,25 +124,19 @@ TEST(ForwardBatching, ASmallTurnIsWrittenAtItsEndNotAtThePassEnd) {
     return out;
   };
 
-  std::promise<void> parked, go;
-  auto go_f = go.get_future();
-  r.router().broker().defer([&] {
-    parked.set_value();
-    go_f.wait();
-  });
-  parked.get_future().wait();
+  HeldBroker held(r.router());
   f1.write_all(burst(f1_id));
   f2.write_all(burst(f2_id));
   a.write_all(frame_bytes(frame(b_id, a_id, a_id, kHandle, 0), "ping"));
   x.write_all(frame_bytes(frame(r.router().id(), x_id, x_id, kGate, 0), ""));
-  go.set_value();
+  held.release();
 
   auto entered_f = entered.get_future();
-  const bool held = entered_f.wait_for(20s) == std::future_status::ready;
+  const bool gated = entered_f.wait_for(20s) == std::future_status::ready;
   Message m;
-  const bool got = held && b.read_frame(m, 5s);
+  const bool got = gated && b.read_frame(m, 5s);
   open.set_value();
-  ASSERT_TRUE(held) << "the gate's frame never had its turn";
+  ASSERT_TRUE(gated) << "the gate's frame never had its turn";
   ASSERT_TRUE(got) << "A's frame waited for the end of the pass, behind the held turn";
   EXPECT_EQ(m.header.src_id, a_id);
   EXPECT_EQ(m.data.to_string(), "ping");
