@@ -104,10 +104,13 @@ TEST(ForwardBatching, TheTurnsOfAPassLeaveInOneWritePerDestination) {
 TEST(ForwardBatching, ASmallTurnIsWrittenAtItsEndNotAtThePassEnd) {
   constexpr std::uint32_t kGate = 2701;
   InProcessRouter r;
-  std::promise<void> entered, open;
-  std::shared_future<void> open_f = open.get_future().share();
-  r.router().add_handler([&](Message&&) {
-    entered.set_value();
+  // The handler owns what it touches: it may still be returning from its
+  // wait when this test's locals are gone.
+  auto entered = std::make_shared<std::promise<void>>();
+  auto entered_f = entered->get_future();
+  std::promise<void> open;
+  r.router().add_handler([entered, open_f = open.get_future().share()](Message&&) {
+    entered->set_value();
     open_f.wait();
   }, {}, kGate);
   RawPeer sink = RawPeer::connect_to(r.address()), f1 = RawPeer::connect_to(r.address()),
@@ -131,7 +134,6 @@ TEST(ForwardBatching, ASmallTurnIsWrittenAtItsEndNotAtThePassEnd) {
   x.write_all(frame_bytes(frame(r.router().id(), x_id, x_id, kGate, 0), ""));
   held.release();
 
-  auto entered_f = entered.get_future();
   const bool gated = entered_f.wait_for(20s) == std::future_status::ready;
   Message m;
   const bool got = gated && b.read_frame(m, 5s);
