@@ -66,6 +66,7 @@ struct RawPair {
 
 // Where the reader is in one socket's stream of frames.
 struct FrameScan {
+  int fd = -1;
   std::array<std::uint8_t, kHeaderSize> header{};
   std::size_t header_have = 0;
   std::uint64_t body_left = 0;
@@ -120,13 +121,12 @@ inline double run_raw_pairs(const std::vector<RawPair>& pairs, std::uint64_t per
       if (ep < 0) relay_fail("epoll_create1");
       std::vector<FrameScan> scans(pairs.size());
       for (std::size_t i = 0; i < pairs.size(); ++i) {
+        scans[i].fd = pairs[i].reader_fd;
         epoll_event ev{};
         ev.events = EPOLLIN;
         ev.data.ptr = &scans[i];
         if (::epoll_ctl(ep, EPOLL_CTL_ADD, pairs[i].reader_fd, &ev) < 0) relay_fail("epoll_ctl");
       }
-      std::vector<int> fd_of(pairs.size());
-      for (std::size_t i = 0; i < pairs.size(); ++i) fd_of[i] = pairs[i].reader_fd;
       std::vector<std::uint8_t> buf(256 * 1024);
       std::uint64_t got = 0;
       const auto deadline = Clock::now() + std::chrono::seconds(120);
@@ -137,8 +137,7 @@ inline double run_raw_pairs(const std::vector<RawPair>& pairs, std::uint64_t per
         if (n < 0 && errno != EINTR) relay_fail("epoll_wait");
         for (int i = 0; i < n; ++i) {
           auto* scan = static_cast<FrameScan*>(evs[i].data.ptr);
-          const int fd = fd_of[static_cast<std::size_t>(scan - scans.data())];
-          ssize_t r = ::recv(fd, buf.data(), buf.size(), MSG_DONTWAIT);
+          ssize_t r = ::recv(scan->fd, buf.data(), buf.size(), MSG_DONTWAIT);
           if (r < 0 && errno != EAGAIN && errno != EINTR) relay_fail("recv");
           if (r == 0) throw std::runtime_error(kErrRelayEof);
           if (r > 0) got += scan->feed(buf.data(), static_cast<std::size_t>(r));

@@ -69,7 +69,8 @@ void Router::allocate_for(Message&& m) {
 
 bool Router::accept_add_route(Link& in, std::uint32_t target) {
   auto refuse = [&](std::string_view why) {
-    note_refusal(in, "ADD_ROUTE", fmt::format("refused ADD_ROUTE for context {}: {}", target, why));
+    note_refusal(in, "ADD_ROUTE",
+                 [&] { return fmt::format("refused ADD_ROUTE for context {}: {}", target, why); });
     return false;
   };
   if (in.role != StreamRole::kChild) return refuse("routes are announced upwards only");
@@ -156,7 +157,7 @@ bool Router::handle_control(Link& in, Message& m) {
   auto target = parse_context_id(std::string_view(text).substr(0, colon));
   if (!target) {
     note_refusal(in, h == kHandleAddRoute ? "ADD_ROUTE" : "DEL_ROUTE",
-                 fmt::format("malformed payload {:?}", std::string_view(text).substr(0, 64)));
+                 [&] { return fmt::format("malformed payload {:?}", std::string_view(text).substr(0, 64)); });
     return true;
   }
   if (h == kHandleAddRoute) {

@@ -75,7 +75,7 @@ bool Router::charge_fds(Link& in, Message& m) {
     std::string why = fmt::format("{}: context {} has {} fds in flight via stream {} (quota {}, this message {})",
                                   reason::kFdQuota, m.header.src_id, before, in.stream->name(),
                                   opts_.fd_quota, n);
-    note_refusal(in, reason::kFdQuota, why);
+    note_refusal(in, reason::kFdQuota, [&] { return why; });
     send_dead(m.header, why);
     return false;
   }
@@ -112,10 +112,12 @@ void Router::on_stream_refused(Stream& s, Message&& m, Refused where, const std:
   // that sends a refusable frame in a loop must not write one line per frame.
   Link* l = link_of(s);
   if (where == Refused::kOnArrival && l && !reverse_path_ok(*l, m.header)) return;
-  const std::string what = fmt::format("message from context {} to context {} handle {}: {}",
-                                       m.header.src_id, m.header.dst_id, m.header.handle, why);
+  auto what = [&] {
+    return fmt::format("message from context {} to context {} handle {}: {}", m.header.src_id,
+                       m.header.dst_id, m.header.handle, why);
+  };
   if (l) note_refusal(*l, "undeliverable SF frame", what);
-  else log().warn("stream={} {}", s.name(), what);
+  else log().warn("stream={} {}", s.name(), what());
   send_dead(m.header, why);
 }
 

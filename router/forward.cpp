@@ -42,16 +42,14 @@ void Router::on_stream_batch_begin(Stream&) {
   in_turn_ = true;
   turn_frames_ = 0;
   turn_dirty_count_ = 0;
-  turn_dirty_overflow_ = false;
 }
 
 void Router::on_stream_batch_end(Stream&) {
   if (batch_depth_ > 0) --batch_depth_;
   if (batch_depth_ != 0) return;
   in_turn_ = false;
-  const bool small = turn_frames_ <= kSmallTurnFrames && !turn_dirty_overflow_;
   if (!dirty_.empty() && broker_.queued_input_turns() > 0) {
-    if (small) flush_turn_output();
+    if (turn_frames_ <= kSmallTurnFrames) flush_turn_output();
     if (!pass_flush_queued_) {
       pass_flush_queued_ = true;
       // Posted behind the turns queued now: it runs when they have. A hosted
@@ -69,14 +67,13 @@ void Router::on_stream_batch_end(Stream&) {
   turn_dirty_count_ = 0;
 }
 
-// Remembers a stream that the turn under way made dirty, while the turn is
-// small enough to write its output at its end.
+// Remembers a stream that the small turn under way made dirty. A turn that
+// dirties more streams than it can remember is no longer small.
 void Router::note_turn_output(Link& l) {
-  if (turn_frames_ > kSmallTurnFrames || turn_dirty_overflow_) return;
   for (std::size_t i = 0; i < turn_dirty_count_; ++i)
     if (turn_dirty_[i] == l.stream) return;
   if (turn_dirty_count_ == turn_dirty_.size()) {
-    turn_dirty_overflow_ = true;
+    turn_frames_ = kSmallTurnFrames + 1;
     return;
   }
   turn_dirty_[turn_dirty_count_++] = l.stream;
@@ -288,7 +285,7 @@ bool Router::enqueue_on(Link& out, Message&& m, std::size_t charged) {
 
 void Router::mark_dirty(Link& l) {
   if (batch_depth_ == 0) return l.stream->flush();
-  if (in_turn_ && batch_depth_ == 1) note_turn_output(l);
+  if (in_turn_ && batch_depth_ == 1 && turn_frames_ <= kSmallTurnFrames) note_turn_output(l);
   if (!l.dirty) {
     l.dirty = true;
     dirty_.push_back(l.stream);

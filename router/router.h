@@ -353,12 +353,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   // or misrouted reply): counted, logged at most once a second.
   void note_wrong_sender(const std::string& why);
   // A refusal of `in`'s: counted, and logged at most once a second per link.
-  // Where a peer can make refusals as fast as it writes, `why` is a callable
-  // that makes the text: it runs only for the line that is logged, so a
+  // A peer can make refusals as fast as it writes, so `why` is a callable
+  // that makes the text: it runs only for the line that is logged, and a
   // flood of refused frames costs a counter each, not a formatted string.
-  void note_refusal(Link& in, std::string_view kind, const std::string& why) {
-    if (refusal_due(in)) log_refusal(in, kind, why);
-  }
   template <class MakeWhy>
     requires std::invocable<MakeWhy&>
   void note_refusal(Link& in, std::string_view kind, MakeWhy&& why) {
@@ -443,15 +440,15 @@ class Router : public StreamListener, public ShutdownParticipant {
   int batch_depth_ = 0;
   bool pass_flush_queued_ = false;  // a flush_dirty() posted behind the pass's turns
   // The stream turn under way (on_stream_batch_begin to _end): the frames it
-  // delivered, and the streams it made dirty while it was small. A turn of
-  // at most kSmallTurnFrames (a call, a reply) writes its output at its end,
-  // not at the pass's (forward.cpp).
+  // delivered (past kSmallTurnFrames once it dirtied more streams than
+  // turn_dirty_ holds), and the streams it made dirty while it was small. A
+  // turn of at most kSmallTurnFrames (a call, a reply) writes its output at
+  // its end, not at the pass's (forward.cpp).
   static constexpr std::size_t kSmallTurnFrames = 2;
   bool in_turn_ = false;
   std::size_t turn_frames_ = 0;
   std::array<std::shared_ptr<Stream>, 4> turn_dirty_{};
   std::size_t turn_dirty_count_ = 0;
-  bool turn_dirty_overflow_ = false;
   bool shutting_down_ = false;
   asio::steady_timer call_timer_;
   // When the timer fires (max: not armed). Written by the broker thread,
