@@ -200,7 +200,17 @@ Payload PayloadBuffer::seal(View view) && {
   // A process forked while this buffer was open still maps it writable (or
   // the kernel holds a page): the message is then a sealed copy of the bytes
   // as they are now. Slower, never wrong; the usual case costs no copy.
-  UniqueFd sealed = try_seal(fd_.get()) ? std::move(fd_) : sealed_copy_of(fd_.get(), size_);
+  UniqueFd sealed;
+  if (try_seal(fd_.get())) {
+    sealed = std::move(fd_);
+  } else {
+    sealed = sealed_copy_of(fd_.get(), size_);
+    // The kept view must show what was sent, and only its own writes after:
+    // a private view of the old memfd would still show, in every page it has
+    // not written, what the forked process writes there.
+    if (addr_ && ::mmap(addr_, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, sealed.get(), 0) == MAP_FAILED)
+      throw_errno("mmap(sealed copy, MAP_PRIVATE | MAP_FIXED)");
+  }
   fd_.reset();
   auto memfd = std::make_shared<SealedMemfd>(std::move(sealed), size_);
   if (!addr_) size_ = 0;

@@ -172,6 +172,48 @@ TEST(Memfd, SealingCanKeepThePrivateViewOfTheProducer) {
   EXPECT_EQ(view[0], 'b');
 }
 
+// The same when the memfd could not be sealed as it is (a process forked
+// since maps it writable, so a sealed copy is sent): the kept view shows the
+// bytes that were sent, never what that process writes into the old memfd
+// afterwards. Before, the view was a private mapping of the old memfd, whose
+// pages the producer had not written since read through to the child's writes.
+TEST(Memfd, AKeptViewOfACopiedBufferShowsWhatWasSent) {
+  const std::size_t n = 1u << 20;
+  PayloadBuffer buf(n);
+  std::uint8_t* view = buf.bytes().data();
+  std::memset(view, 'a', n);
+  Pipe go = make_owned_pipe(), done = make_owned_pipe();
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // keeps the shared writable mapping, writes when told
+    ::close(go.write.get());  // raw: only async-signal-safe calls in the child
+    ::close(done.read.get());
+    char c;
+    if (::read(go.read.get(), &c, 1) == 1) {
+      for (std::size_t i = 0; i < n; i += 4096) view[i] = 'c';
+      (void)::write(done.write.get(), "d", 1);
+    }
+    ::_exit(0);
+  }
+  go.read.reset();
+  done.write.reset();
+  const ino_t before = inode_mapped_at(view);
+  Payload p = std::move(buf).seal(PayloadBuffer::View::kKeepPrivate);
+  ASSERT_TRUE(p.memfd());
+  EXPECT_NE(fd_identity(p.memfd()->fd()).second, before) << "a copy: the child still maps the memfd";
+  ASSERT_EQ(::write(go.write.get(), "g", 1), 1);
+  char c = 0;
+  ASSERT_EQ(::read(done.read.get(), &c, 1), 1) << "the child wrote into its mapping";
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_EQ(buf.bytes().data(), view) << "the view stays where it was";
+  EXPECT_EQ(view[0], 'a') << "the kept view reads the bytes sent, not the child's later write";
+  EXPECT_EQ(view[n - 4096], 'a');
+  EXPECT_EQ(p.contiguous()[0], 'a');
+  view[1] = 'b';  // still the producer's own private copy
+  EXPECT_EQ(p.contiguous()[1], 'a');
+}
+
 TEST(Memfd, ReceiverRefusesUnsealedWritableOrForeignBodies) {
   FdRecorder rec;
   StreamHarness h;
