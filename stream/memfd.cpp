@@ -188,11 +188,16 @@ PayloadBuffer::~PayloadBuffer() {
 
 Payload PayloadBuffer::seal(View view) && {
   if (!fd_) throw Error("PayloadBuffer::seal(): the buffer was already sealed");
+  // The kept view, at the same address: a private copy-on-write mapping of
+  // `fd`, which shows its bytes and, from then on, only this process's writes.
+  auto keep_private_view_of = [this](int fd) {
+    if (::mmap(addr_, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, 0) == MAP_FAILED)
+      throw_errno("mmap(memfd, MAP_PRIVATE | MAP_FIXED)");
+  };
   // F_SEAL_WRITE is refused (EBUSY) while a writable shared mapping exists;
   // a private one does not count (only VM_SHARED mappings can write back).
   if (addr_ && view == View::kKeepPrivate) {
-    if (::mmap(addr_, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd_.get(), 0) == MAP_FAILED)
-      throw_errno("mmap(memfd, MAP_PRIVATE | MAP_FIXED)");
+    keep_private_view_of(fd_.get());
   } else if (addr_) {
     if (::munmap(addr_, size_) < 0) throw_errno("munmap(memfd)");
     addr_ = nullptr;
@@ -205,11 +210,9 @@ Payload PayloadBuffer::seal(View view) && {
     sealed = std::move(fd_);
   } else {
     sealed = sealed_copy_of(fd_.get(), size_);
-    // The kept view must show what was sent, and only its own writes after:
-    // a private view of the old memfd would still show, in every page it has
-    // not written, what the forked process writes there.
-    if (addr_ && ::mmap(addr_, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, sealed.get(), 0) == MAP_FAILED)
-      throw_errno("mmap(sealed copy, MAP_PRIVATE | MAP_FIXED)");
+    // A kept view of the old memfd would still show, in every page it has
+    // not written, what the forked process writes there: it maps the copy.
+    if (addr_) keep_private_view_of(sealed.get());
   }
   fd_.reset();
   auto memfd = std::make_shared<SealedMemfd>(std::move(sealed), size_);
