@@ -327,12 +327,14 @@ void Broker::watch_child(std::shared_ptr<ChildProcess> child, std::function<void
   }
   // The broker watches its own duplicate, so ChildProcess::wait() can poll
   // the original from another thread.
-  int fd = ::fcntl(child->pidfd(), F_DUPFD_CLOEXEC, 3);
-  if (fd < 0) {
-    log().warn("dup(pidfd) of pid {}: {}; it is reaped by wait() or when the broker ends",
-               child->pid(), errno_text(errno));
+  int fd;
+  try {
+    fd = child->dup_pidfd();
+  } catch (const Error& e) {
+    log().warn("{}; it is reaped by wait() or when the broker ends", e.what());
     return;
   }
+  if (fd < 0) return;  // reaped already (by a wait() on another thread)
   fd_registry::note(fd);
   try_defer([this, fd, child, on_exit = std::move(on_exit)] {
     auto watch = std::make_shared<asio::posix::stream_descriptor>(io_, fd);

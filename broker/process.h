@@ -6,6 +6,14 @@
 // the shutdown grace, then SIGKILL), so a process that uses Spindle never
 // leaves zombies behind. The status is kept, so every later caller sees it.
 //
+// The pidfd is closed as soon as the child is reaped (once no wait() polls
+// it): a handle kept after its child is gone (a stopped Child the
+// application still refers to, after its Router has closed) holds no fd.
+// Nothing outside uses the fd number, which a closed pidfd frees for reuse:
+// a signal goes through signal() and a watcher gets a duplicate, both under
+// the mutex that orders them against the reap. After the reap the pid may be
+// another process's, so signal() sends nothing then.
+//
 // Thread safety: any thread (one mutex). Ownership: shared by the parent's
 // handle on the child (a Context) and the broker's watch.
 #pragma once
@@ -26,18 +34,29 @@ class ChildProcess {
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;
   pid_t pid() const { return pid_; }
-  int pidfd() const { return pidfd_; }
   // Non-blocking reap. Returns the wait status once the child has exited.
   std::optional<int> reap();
   // Waits up to `timeout` for the child to exit; returns its wait status.
   std::optional<int> wait(std::chrono::milliseconds timeout);
   // wait(grace), then SIGKILL and reap: the child is gone when this returns.
   int finish(std::chrono::milliseconds grace);
+  // Sends `sig` through the pidfd. False, sending nothing, once it has been
+  // reaped; throws Error if the kernel refuses.
+  bool signal(int sig);
+  // A CLOEXEC duplicate of the pidfd (the caller owns it), or -1 once the
+  // child has been reaped. Throws Error if it cannot be duplicated.
+  int dup_pidfd();
+  // Whether it still holds its pidfd (tests).
+  bool holds_pidfd();
 
  private:
+  std::optional<int> reap_locked();
+  void close_pidfd_locked();
+
   const pid_t pid_;
-  const int pidfd_;
   std::mutex mu_;
+  int pidfd_;       // -1 once reaped and no wait() polls it
+  int pollers_ = 0; // wait() calls polling pidfd_ now, outside the mutex
   std::optional<int> status_;
 };
 

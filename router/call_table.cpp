@@ -330,14 +330,20 @@ std::uint32_t CallTable::request_arm(std::uint32_t handle, Clock::time_point whe
   return arm_requests_pushed_.fetch_add(1, std::memory_order_seq_cst) + 1;
 }
 
-void CallTable::arm_requested() {
+std::optional<CallTable::Clock::time_point> CallTable::arm_requested() {
   // Both seq_cst: a relaxed look could miss a request whose thread saw the
   // timer still due, and then neither side would arm it.
   if (arm_requests_pushed_.load(std::memory_order_seq_cst) == 0 ||
       arm_requests_pushed_.exchange(0, std::memory_order_seq_cst) == 0)
-    return;
+    return std::nullopt;
+  std::optional<Clock::time_point> earliest;
   ArmRequest r;
-  while (arm_requests_.pop(r)) arm_deadline(r.handle, Clock::time_point(Clock::duration(r.when)));
+  while (arm_requests_.pop(r)) {
+    const Clock::time_point when{Clock::duration(r.when)};
+    arm_deadline(r.handle, when);
+    if (!earliest || when < *earliest) earliest = when;
+  }
+  return earliest;
 }
 
 std::optional<CallTable::Clock::time_point> CallTable::next_deadline() const {

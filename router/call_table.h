@@ -112,9 +112,10 @@ class CallTable {
   // (through the outbox), or as requested by the thread that wrote it.
   void arm_deadline(std::uint32_t handle, Clock::time_point when);
   // Arms every deadline request_arm() asked for since the last time (those of
-  // calls already over are skipped). The RMW that takes the requests and
+  // calls already over are skipped). Returns the earliest of them, armed or
+  // not: see Router::arm_call_timer. The RMW that takes the requests and
   // request_arm()'s are sequentially consistent: see Router::arm_deadline.
-  void arm_requested();
+  std::optional<Clock::time_point> arm_requested();
   // The earliest armed deadline, if any.
   std::optional<Clock::time_point> next_deadline() const;
   // Fails every async call whose deadline has passed with on_timeout(callee).

@@ -109,10 +109,17 @@ void Router::arm_deadline(std::uint32_t slot, Clock::time_point when) {
 }
 
 // Broker thread: takes up the requested arms, then arms the one timer for
-// the earliest async deadline.
+// the earliest async deadline, or for the earliest requested one if that is
+// earlier, though its call is over. The broker may well read a reply before
+// it takes up its call's request (a loaded machine runs it late, and both
+// are ready at once): with no timer left, the next call's deadline would
+// then be "earlier than the timer's" and wake it again, and so each call in
+// turn. A timer that stays armed for a call that is over costs one turn
+// when it fires, and spares a wake-up per call until then.
 void Router::arm_call_timer() {
-  calls_.arm_requested();
+  const auto requested = calls_.arm_requested();
   auto next = calls_.next_deadline();
+  if (requested && (!next || *requested < *next)) next = requested;
   if (!next || next->time_since_epoch().count() >= call_timer_due_.load(std::memory_order_relaxed)) return;
   set_call_timer_at(*next);
   call_timer_.expires_at(*next);  // cancels a wait armed for a later deadline

@@ -289,8 +289,11 @@ std::function<std::string(const std::string&)> explainer(std::shared_ptr<SshSess
     }
     if (!st) {
       // The link is gone; the session is of no further use.
-      if (::syscall(SYS_pidfd_send_signal, session->proc->pidfd(), SIGTERM, nullptr, 0) < 0)
-        log().debug("stream={} cannot stop ssh: {}", session->name, errno_text(errno));
+      try {
+        session->proc->signal(SIGTERM);
+      } catch (const Error& e) {
+        log().debug("stream={} cannot stop ssh: {}", session->name, e.what());
+      }
     }
     reader->finish();
     return fmt::format("{}; {}", why, ended(*session, st));

@@ -184,6 +184,7 @@ TEST(RpcFork, AsyncCallsFromAThreadWakeTheBrokerOnlyForAnEarlierDeadline) {
   ASSERT_EQ(c.call(kEcho, std::string_view("up"), 10s), "up");
 
   const auto before = broker.stats();
+  const auto direct_before = router.stats().direct_writes;
   for (int i = 0; i < 200; ++i) {
     std::string text = fmt::format("call {}", i);
     std::future<Message> f = c.call_async(kEcho, Payload::copy_of(text), 30s);
@@ -191,7 +192,16 @@ TEST(RpcFork, AsyncCallsFromAThreadWakeTheBrokerOnlyForAnEarlierDeadline) {
     ASSERT_EQ(f.get().text(), text);
   }
   const auto wakes = broker.stats().wakeups_posted - before.wakeups_posted;
-  EXPECT_LE(wakes, 10u) << "the broker was woken for the calls' deadlines";
+  // A call that found the stream busy (the broker still in the turn that
+  // read the previous reply, which a loaded machine makes likelier) was
+  // queued, and its queue's wake-up is not the deadline's: those are
+  // allowed for. Most calls are written directly, so a wake-up per
+  // deadline would still be over the bound.
+  const auto direct = router.stats().direct_writes - direct_before;
+  ASSERT_LE(direct, 200u);
+  EXPECT_GE(direct, 100u) << "most calls should find the stream idle";
+  EXPECT_LE(wakes, 10u + (200u - direct)) << "the broker was woken for the calls' deadlines ("
+                                          << direct << " of 200 calls written directly)";
 
   auto t0 = Clock::now();
   std::future<Message> sooner = c.call_async(kNeverReply, Payload::copy_of("300 ms"), 300ms);

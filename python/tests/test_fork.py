@@ -114,3 +114,14 @@ def test_router_fork_from_another_thread():
         [child] = made
         assert child.call(pyfuncs.square, 8) == 64
         assert child.call(pyfuncs.getpid) == child.pid
+
+
+def test_children_kept_after_their_router_closed_hold_no_fds():
+    """A stopped child's handle keeps its name, pid and status, not its pidfd."""
+    before = sorted(os.listdir("/proc/self/fd"), key=int)
+    with spindle.Router() as router:
+        kids = [router.fork(name=f"kept-{i}") for i in range(3)]
+        assert [k.call(os.getpid) for k in kids] == [k.pid for k in kids]
+    assert sorted(os.listdir("/proc/self/fd"), key=int) == before
+    assert [k.name for k in kids] == ["kept-0", "kept-1", "kept-2"]
+    assert all(os.WIFEXITED(k.stop()) for k in kids)
