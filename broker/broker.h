@@ -74,6 +74,7 @@
 #include <vector>
 
 #include "broker/fd_registry.h"
+#include "broker/input_turns.h"
 
 #include <asio/io_context.hpp>
 #include <asio/posix/stream_descriptor.hpp>
@@ -238,9 +239,9 @@ class Broker {
 
   // --- broker thread only ---
   asio::io_context& io() { return io_; }
-  // The streams' count of input turns queued on this loop (stream.cpp). It
-  // belongs to the loop, not to a thread: several threads may run it.
-  std::size_t& queued_input_turns() { return queued_input_turns_; }
+  // The streams' input turns queued on this loop (stream.cpp). They belong
+  // to the loop, not to a thread: several threads may run it.
+  InputTurns& input_turns() { return input_turns_; }
   void add_participant(ShutdownParticipant* p);
   // Told first: the others are told only once every first participant has
   // drained (or the grace period ends). Worker pools use it, so a broker
@@ -299,6 +300,7 @@ class Broker {
   // Expires with the broker: what it posts to a hosted loop (which outlives
   // it) checks this first.
   std::shared_ptr<char> life_ = std::make_shared<char>();
+  InputTurns input_turns_{io_, life_};  // after io_ and life_; before own_io_ goes, it drops its streams
   std::atomic<State> state_{State::kRunning};
   std::atomic<pid_t> tid_{0};
   std::atomic<std::thread::id> thread_id_{};
@@ -329,7 +331,6 @@ class Broker {
   std::atomic<std::uint64_t> wait_polls_{0}, wait_polls_answered_{0};
   // The own thread sleeps until the leading caller leaves (a long lead).
   std::atomic<bool> awaiting_release_{false};
-  std::size_t queued_input_turns_ = 0;  // loop thread
 
   // The defer queue: producers announce themselves in producers_ before they
   // check closed_, so finish() can wait until none is half-way through a push

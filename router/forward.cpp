@@ -24,13 +24,13 @@ namespace spindle {
 
 // The read batch of a stream: output is corked until its end, and, while
 // other streams' turns wait in the broker's queue, until the end of that
-// pass over the busy streams. With many busy streams a turn delivers only
-// 16 frames (stream.cpp), to as many destinations as its frames name:
-// flushed per turn, 256 clients writing to random peers cost the router a
-// sendmsg per frame or two. Flushed per pass, each destination gets one
-// write for what every turn of the pass brought it. The pass is bounded
-// (about 4,096 frames), so that is all a frame waits; a stream busy on its
-// own (no other turn queued) is flushed at its turn's end, as before.
+// chunk of turns (broker/input_turns.h). A turn delivers a share of the
+// chunk, to as many destinations as its frames name: flushed per turn, 256
+// clients writing to random peers cost the router a sendmsg per frame or
+// two. Flushed per chunk, each destination gets one write for what every
+// turn of the chunk brought it. The chunk is bounded (about 4,096 frames),
+// so that is all a frame waits; a stream busy on its own (no other turn
+// queued) is flushed at its turn's end, as before.
 // A small turn (a call or a reply: at most kSmallTurnFrames frames) writes
 // what it queued at its end all the same: batching has nothing to gain
 // there, and a round trip through a flooded router would otherwise wait a
@@ -48,7 +48,7 @@ void Router::on_stream_batch_end(Stream&) {
   if (batch_depth_ > 0) --batch_depth_;
   if (batch_depth_ != 0) return;
   in_turn_ = false;
-  if (!dirty_.empty() && broker_.queued_input_turns() > 0) {
+  if (!dirty_.empty() && broker_.input_turns().size() > 0) {
     if (turn_frames_ <= kSmallTurnFrames) flush_turn_output();
     if (!pass_flush_queued_) {
       pass_flush_queued_ = true;

@@ -3,10 +3,10 @@
 // body buffer), one read per broker turn so one busy peer cannot starve the
 // others. recvmsg rather than Asio's async_read_some because fds arrive as
 // ancillary data (MSG_CMSG_CLOEXEC, MSG_CTRUNC checked on every call). A turn
-// also delivers a bounded number of frames (a share of kFramesPerPass among
-// the busy streams): the rest wait in the chunk for the stream's next turn,
-// so a pass over every busy stream, and the wait of a stream that has just
-// become readable, stays short however many peers flood. After a read that
+// also delivers a bounded number of frames (a share of a chunk among the
+// busy streams, broker/input_turns.h): the rest wait in the chunk for the
+// stream's next turn, so the wait of a stream that has just become readable
+// stays short however many peers flood. After a read that
 // filled its target or ended at a message with fds (the kernel stops there),
 // or with frames left, the next turn is posted; after another short read the
 // stream waits for readability. Before each
@@ -46,21 +46,10 @@
 namespace spindle {
 namespace {
 
-// Frames one input turn may deliver. All the busy streams' turns together
-// deliver about kFramesPerPass before Asio polls epoll again, so a stream
-// that has just become readable (a round trip's reply, a new client) waits
-// for one bounded pass, however many peers flood. A stream busy on its own
-// keeps large batches (its output is corked per turn, so batches matter).
-constexpr std::size_t kFramesPerPass = 4096;
-constexpr std::size_t kMinFramesPerTurn = 16;
 // Reads in one turn while each ends at a message with fds, and the fds those
 // reads may bring in (a bound on what one turn makes this process hold).
 constexpr std::size_t kReadsAfterFds = 16;
 constexpr std::size_t kFdsPerTurn = 64;
-
-std::size_t frames_per_turn(std::size_t queued_turns) {
-  return std::max(kMinFramesPerTurn, kFramesPerPass / (queued_turns + 1));
-}
 
 void set_nonblocking(int fd) {
   int fl = ::fcntl(fd, F_GETFL);
@@ -380,18 +369,20 @@ void Stream::on_read(bool filled) {
 }
 
 // One turn per busy stream keeps the broker fair between streams: the next
-// turn (frames left over, or the next read) queues behind the other ready
-// handlers, and Asio polls epoll once per pass over that queue.
+// turn (frames left over, or the next read) queues behind the other busy
+// streams' (broker/input_turns.h, which polls epoll between bounded chunks).
 void Stream::queue_input_turn() {
   if (read_armed_ || !may_read()) return;
   read_armed_ = true;
-  ++broker_.queued_input_turns();
-  asio::post(broker_.io(), [self = shared_from_this()] {
-    --self->broker_.queued_input_turns();
-    self->broker_.check_loop_thread();
-    self->read_armed_ = false;
-    self->input_turn();
-  });
+  broker_.input_turns().push(shared_from_this());
+}
+
+std::size_t Stream::run_input_turn() {
+  broker_.check_loop_thread();
+  read_armed_ = false;
+  const std::uint64_t before = stats_.messages_in;
+  input_turn();
+  return static_cast<std::size_t>(stats_.messages_in - before);
 }
 
 void Stream::input_turn() {
@@ -453,7 +444,7 @@ bool Stream::fail_handshake(const std::string& error) {
 bool Stream::process_input() {
   if (state_ == StreamState::kHandshaking && !run_handshake()) return false;
   if (!parser_) return false;
-  std::size_t budget = frames_per_turn(broker_.queued_input_turns());
+  std::size_t budget = broker_.input_turns().frames_per_turn();
   // The batch ends however the loop ends (a handler may throw through it):
   // the listener flushes what it corked, always. `f` outlives the batch,
   // whose end consumes the frame last handed out.

@@ -174,7 +174,7 @@ struct StreamStats {
   std::uint64_t peer_holds = 0;   // times reading stopped for a destination over its mark
 };
 
-class Stream : public std::enable_shared_from_this<Stream> {
+class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::Turn {
  public:
   // Takes ownership of the fds (read_fd == write_fd for a socket); closes them
   // if it throws. Sets them non-blocking. Throws std::system_error if an fd
@@ -283,6 +283,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void on_read(bool filled);        // after a turn's reads: parse, then read or wait
   void queue_input_turn();
   void input_turn();
+  std::size_t run_input_turn() override;  // InputTurns: input_turn(), returns the frames delivered
   bool over_limit();
   void make_parser();
   // How what the peer sends is charged to its account (its large and memfd bodies).
