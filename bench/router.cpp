@@ -21,8 +21,8 @@
 //               against the relay alone, since 2N Spindle clients on this
 //               machine's cores cost more CPU per message than the whole
 //               floor. Then a longer flood of the same, during which two
-//               other clients time calls: what the bound on a pass over the
-//               busy streams (stream.cpp) leaves a client that is not
+//               other clients time calls: what the bound on a chunk of
+//               turns (broker/input_turns.h) leaves a client that is not
 //               flooding.
 //   forward     allocations per forwarded message on the broker thread of an
 //               in-process router (Router + Listener, as spindle-router runs
@@ -192,7 +192,7 @@ std::vector<double> spindle_rtt(const UnixAddress& address, int warmup, int iter
 // Returns frames/s and the router's CPU per frame; with `rtt`, also the
 // round trips of a call between two other clients (spindle_rtt), made
 // while the flood lasts: what a client that is not flooding waits while
-// every other stream is busy (the bound on a pass, stream.cpp).
+// every other stream is busy (the bound on a chunk, broker/input_turns.h).
 struct RawClientsRun {
   bench::RelayRun flood;
   std::vector<double> rtt_us;

@@ -50,13 +50,15 @@ void Router::on_stream_batch_end(Stream&) {
   in_turn_ = false;
   if (!dirty_.empty() && broker_.input_turns().size() > 0) {
     if (turn_frames_ <= kSmallTurnFrames) flush_turn_output();
-    if (!pass_flush_queued_) {
-      pass_flush_queued_ = true;
-      // Posted behind the turns queued now: it runs when they have. A hosted
-      // loop may run it after the router is gone (link_ says so).
+    if (!chunk_flush_queued_) {
+      chunk_flush_queued_ = true;
+      // It runs after the chunk under way (whose runner posts the next one
+      // at its end), or after the next chunk if this turn ran outside one
+      // (a stream's first turn, from epoll). A hosted loop may run it after
+      // the router is gone (link_ says so).
       asio::post(broker_.io(), [this, link = link_] {
         if (!link->alive()) return;
-        pass_flush_queued_ = false;
+        chunk_flush_queued_ = false;
         flush_dirty();
       });
     }
@@ -80,7 +82,7 @@ void Router::note_turn_output(Link& l) {
 }
 
 // Writes what the small turn queued. The streams stay in dirty_ (what later
-// turns of the pass bring them goes with the pass flush, for which this
+// turns of the chunk bring them goes with the chunk flush, for which this
 // write leaves nothing to do). A write may close its stream: the pointers
 // keep each alive until the batch's end, and flush() does nothing on a
 // closed one.

@@ -438,12 +438,12 @@ class Router : public StreamListener, public ShutdownParticipant {
   Link* parent_ = nullptr;
   std::vector<std::shared_ptr<Stream>> dirty_;
   int batch_depth_ = 0;
-  bool pass_flush_queued_ = false;  // a flush_dirty() posted behind the pass's turns
+  bool chunk_flush_queued_ = false;  // a flush_dirty() posted behind the chunk of turns under way
   // The stream turn under way (on_stream_batch_begin to _end): the frames it
   // delivered (past kSmallTurnFrames once it dirtied more streams than
   // turn_dirty_ holds), and the streams it made dirty while it was small. A
   // turn of at most kSmallTurnFrames (a call, a reply) writes its output at
-  // its end, not at the pass's (forward.cpp).
+  // its end, not at the chunk's (forward.cpp).
   static constexpr std::size_t kSmallTurnFrames = 2;
   bool in_turn_ = false;
   std::size_t turn_frames_ = 0;

@@ -41,11 +41,15 @@ struct FakeStream : InputTurns::Turn, std::enable_shared_from_this<FakeStream> {
 
 constexpr int kNewlyReadable = -1;
 
-TEST(InputTurns, AHandlerReadyMeanwhileWaitsOneChunkNotEveryTurn) {
+// A loop, the broker's life token and its queue of turns.
+struct InputTurnsOnALoop : ::testing::Test {
   asio::io_context io;
-  auto life = std::make_shared<char>();
-  InputTurns q(io, life);
+  std::shared_ptr<char> life = std::make_shared<char>();
+  InputTurns q{io, life};
   std::vector<int> log;
+};
+
+TEST_F(InputTurnsOnALoop, AHandlerReadyMeanwhileWaitsOneChunkNotEveryTurn) {
   std::vector<std::shared_ptr<FakeStream>> streams;
   const std::size_t per_turn = InputTurns::kMinFramesPerTurn;
   const int busy = 256;  // 256 x 64 frames: four chunks per round
@@ -68,11 +72,7 @@ TEST(InputTurns, AHandlerReadyMeanwhileWaitsOneChunkNotEveryTurn) {
   EXPECT_EQ(q.size(), 0u);
 }
 
-TEST(InputTurns, ATurnRunsOnceAChunkAndTheShareHasAFloor) {
-  asio::io_context io;
-  auto life = std::make_shared<char>();
-  InputTurns q(io, life);
-  std::vector<int> log;
+TEST_F(InputTurnsOnALoop, ATurnRunsOnceAChunkAndTheShareHasAFloor) {
   auto alone = std::make_shared<FakeStream>(q, 7, 5, 1, log);  // one frame per turn
   q.push(alone);
   EXPECT_EQ(q.frames_per_turn(), InputTurns::kFramesPerChunk / 2);
@@ -86,11 +86,7 @@ TEST(InputTurns, ATurnRunsOnceAChunkAndTheShareHasAFloor) {
   EXPECT_EQ(q.size(), 0u);
 }
 
-TEST(InputTurns, ATurnThatThrowsLeavesTheOthersARunner) {
-  asio::io_context io;
-  auto life = std::make_shared<char>();
-  InputTurns q(io, life);
-  std::vector<int> log;
+TEST_F(InputTurnsOnALoop, ATurnThatThrowsLeavesTheOthersARunner) {
   auto a = std::make_shared<FakeStream>(q, 1, 2, 1, log);
   auto b = std::make_shared<FakeStream>(q, 2, 2, 1, log);
   a->throws_on = 1;  // its first turn throws, after queueing its next
