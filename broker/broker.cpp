@@ -325,6 +325,15 @@ void Broker::watch_child(std::shared_ptr<ChildProcess> child, std::function<void
     std::lock_guard lk(children_mu_);
     children_.push_back(child);
   }
+  // On the loop, once the child has exited: the status to on_exit.
+  auto exited = [this, child, on_exit = std::move(on_exit)] {
+    auto st = child->reap();
+    {
+      std::lock_guard lk(children_mu_);
+      std::erase(children_, child);
+    }
+    if (st && on_exit) on_exit(*st);
+  };
   // The broker watches its own duplicate, so ChildProcess::wait() can poll
   // the original from another thread.
   int fd;
@@ -334,24 +343,21 @@ void Broker::watch_child(std::shared_ptr<ChildProcess> child, std::function<void
     log().warn("{}; it is reaped by wait() or when the broker ends", e.what());
     return;
   }
-  if (fd < 0) return;  // reaped already (by a wait() on another thread)
+  if (fd < 0) {  // a wait() on another thread reaped it already: nothing to watch
+    try_defer(std::move(exited));
+    return;
+  }
   fd_registry::note(fd);
-  try_defer([this, fd, child, on_exit = std::move(on_exit)] {
+  try_defer([this, fd, exited = std::move(exited)] {
     auto watch = std::make_shared<asio::posix::stream_descriptor>(io_, fd);
     if (hosted()) {
       std::erase_if(child_watches_, [](const auto& w) { return w.expired(); });
       child_watches_.push_back(watch);
     }
     watch->async_wait(asio::posix::descriptor_base::wait_read,
-                      [this, watch, child, on_exit,
-                       life = std::weak_ptr<char>(life_)](const std::error_code& ec) {
+                      [watch, exited, life = std::weak_ptr<char>(life_)](const std::error_code& ec) {
                         if (ec == asio::error::operation_aborted || life.expired()) return;
-                        auto st = child->reap();
-                        {
-                          std::lock_guard lk(children_mu_);
-                          std::erase(children_, child);
-                        }
-                        if (st && on_exit) on_exit(*st);
+                        exited();
                       });
   });
 }

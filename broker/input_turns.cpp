@@ -14,31 +14,15 @@
 namespace spindle {
 
 void InputTurns::push(std::shared_ptr<Turn> turn) {
-  if (count_ == ring_.size()) {
-    std::vector<std::shared_ptr<Turn>> grown(std::max<std::size_t>(16, ring_.size() * 2));
-    for (std::size_t i = 0; i < count_; ++i) grown[i] = std::move(ring_[(head_ + i) % ring_.size()]);
-    ring_ = std::move(grown);
-    head_ = 0;
-  }
-  ring_[(head_ + count_) % ring_.size()] = std::move(turn);
-  ++count_;
+  ring_.push_back(std::move(turn));
   if (!runner_posted_ && !running_) post_runner();
 }
 
-std::shared_ptr<InputTurns::Turn> InputTurns::pop_front() {
-  std::shared_ptr<Turn> t = std::move(ring_[head_]);
-  head_ = (head_ + 1) % ring_.size();
-  --count_;
-  return t;
-}
-
 std::size_t InputTurns::frames_per_turn() const {
-  return std::max(kMinFramesPerTurn, kFramesPerChunk / (count_ + 1));
+  return std::max(kMinFramesPerTurn, kFramesPerChunk / (ring_.size() + 1));
 }
 
-void InputTurns::clear() {
-  while (count_ > 0) pop_front();
-}
+void InputTurns::clear() { ring_.clear(); }
 
 void InputTurns::post_runner() {
   runner_posted_ = true;
@@ -55,12 +39,13 @@ void InputTurns::run_chunk() {
     InputTurns& q;
     ~Repost() {
       q.running_ = false;
-      if (q.count_ > 0 && !q.runner_posted_) q.post_runner();
+      if (!q.ring_.empty() && !q.runner_posted_) q.post_runner();
     }
   } repost{*this};
   std::size_t frames = 0;
-  for (std::size_t turns = count_; turns > 0 && count_ > 0 && frames < kFramesPerChunk; --turns) {
-    std::shared_ptr<Turn> t = pop_front();
+  for (std::size_t turns = ring_.size(); turns > 0 && !ring_.empty() && frames < kFramesPerChunk; --turns) {
+    std::shared_ptr<Turn> t = std::move(ring_.front());
+    ring_.pop_front();
     frames += t->run_input_turn();
   }
 }

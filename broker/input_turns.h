@@ -26,9 +26,10 @@
 
 #include <cstddef>
 #include <memory>
-#include <vector>
 
 #include <asio/io_context.hpp>
+
+#include "broker/ring.h"
 
 namespace spindle {
 
@@ -57,7 +58,7 @@ class InputTurns {
 
   void push(std::shared_ptr<Turn> turn);
   // Turns waiting to run.
-  std::size_t size() const { return count_; }
+  std::size_t size() const { return ring_.size(); }
   // Frames a turn may deliver now: a share of the chunk among the turns
   // queued, at least kMinFramesPerTurn.
   std::size_t frames_per_turn() const;
@@ -67,12 +68,10 @@ class InputTurns {
  private:
   void post_runner();
   void run_chunk();
-  std::shared_ptr<Turn> pop_front();
 
   asio::io_context& io_;
   std::weak_ptr<char> life_;
-  std::vector<std::shared_ptr<Turn>> ring_;  // count_ entries from head_, wrapping
-  std::size_t head_ = 0, count_ = 0;
+  Ring<std::shared_ptr<Turn>> ring_;
   bool runner_posted_ = false;
   bool running_ = false;  // a chunk is under way: it posts the next runner at its end
 };

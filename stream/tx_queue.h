@@ -33,7 +33,7 @@
 #include "spindle/frame.h"
 #include "spindle/message.h"
 #include "stream/payload.h"
-#include "stream/ring.h"
+#include "broker/ring.h"
 
 struct iovec;
 
