@@ -64,7 +64,11 @@ def load(router):
             return workers[w].call_async(make_batch, index)
         except spindle.ChannelError as e:  # already known dead: fail like a pending call
             future = concurrent.futures.Future()
-            future.set_exception(e)
+            # Without its traceback, which holds this frame, which holds the
+            # future: a cycle only the garbage collector frees, and with it
+            # every frame the exception is raised through later (load's, whose
+            # last future holds a batch, a memfd: the fd check found it).
+            future.set_exception(e.with_traceback(None))
             return future
 
     def submit(index, w):
