@@ -65,6 +65,7 @@
 
 #include "bench/report.h"
 #include "bench/ssh_floor.h"
+#include "broker/broker.h"
 #include "broker/log.h"
 #include "tests/sshd_fixture.h"
 
@@ -77,6 +78,13 @@ constexpr std::size_t kSmall = 64;
 constexpr std::size_t kBig = 64 * 1024;
 constexpr std::size_t kWindows[] = {4, 8, 32};  // 64 KiB calls in flight
 constexpr int kRttRounds = 10;
+// A rest before each round: a Spindle caller polls while it waits (its
+// window stretches to the ~100 us an answer takes here), and without the
+// rest the raw rounds after it ran slower (86-108 us before, 105-146 us
+// after; Linux's load tracking of this thread, whose average decays with
+// a 32 ms half-life, placing the woken ssh differently). 200 ms lets it
+// decay on both sides alike.
+constexpr auto kRoundRest = std::chrono::milliseconds(200);
 constexpr double kRttTarget = 1.3, kThroughputTarget = 0.8, kFirstCallTargetMs = 2000;
 
 struct Config {
@@ -307,16 +315,30 @@ int run(const Config& cfg, bench::Report& report) {
   // In kRttRounds alternating rounds, so that a change in the machine's
   // load (shared cores) falls on both sides alike.
   std::vector<double> raw_us, sp_us;
+  const Broker::Stats lead0 = rt.broker().stats();
   for (int round = 0; round < kRttRounds; ++round) {
     const int warmup = round == 0 ? cfg.rtt_warmup : 0, iters = cfg.rtt_iters / kRttRounds;
+    std::this_thread::sleep_for(kRoundRest);
     auto r = cat.rtt(kSmall, warmup, iters);
     raw_us.insert(raw_us.end(), r.begin(), r.end());
+    std::this_thread::sleep_for(kRoundRest);
     spindle_rtt(remote, warmup, iters, sp_us);
   }
+  const Broker::Stats lead1 = rt.broker().stats();
   auto raw = bench::percentiles(raw_us), sp = bench::percentiles(sp_us);
   std::printf("rtt 64 B (median / p99 us, %d calls): spindle.echo %.1f / %.1f, raw ssh cat %.1f / %.1f; "
               "ratio %.2f (target <= %.1f)\n",
               cfg.rtt_iters, sp.median, sp.p99, raw.median, raw.p99, sp.median / raw.median, kRttTarget);
+  // How the caller waited (broker/loop_lead.cpp): whether it read its own
+  // replies (each time the broker thread took the loop back, a later call
+  // paid a wake-up), and how many of its waits a poll answered before sleep.
+  const std::uint64_t waits = lead1.caller_leads - lead0.caller_leads;
+  std::printf("  the caller led the loop in %llu waits, the broker thread took it back %llu times; "
+              "%llu waits polled, %llu of them answered while polling\n",
+              static_cast<unsigned long long>(waits),
+              static_cast<unsigned long long>(lead1.loop_returns - lead0.loop_returns),
+              static_cast<unsigned long long>(lead1.wait_polls - lead0.wait_polls),
+              static_cast<unsigned long long>(lead1.wait_polls_answered - lead0.wait_polls_answered));
   report.add("ssh_rtt_64B", sp.median, "us", raw.median);
   report.add("ssh_rtt_64B_p99", sp.p99, "us", raw.p99);
 

@@ -212,6 +212,15 @@ class Broker {
   static constexpr std::chrono::microseconds kMaxLinger{3200};  // lingers double while callers lead
   // How long a would-be leader waits for the own thread to step aside.
   static constexpr std::chrono::microseconds kHandOverWait{50};
+  // How long a leading wait polls before it sleeps: `base`
+  // (Options::wait_spin), stretched to a quarter more than `typical` (how
+  // long this thread's recent waits took to be answered) when that is
+  // longer than `base` but no more than kSpinStretch times it. A caller
+  // whose answers take 100 us (a context over ssh) then reads them while
+  // polling, where a 50 us window always missed and it slept; answers
+  // slower than that do not make a thread poll longer (loop_lead.cpp).
+  static constexpr int kSpinStretch = 4;
+  static std::chrono::nanoseconds spin_window(std::chrono::nanoseconds base, std::chrono::nanoseconds typical);
   enum class Lead { kDone, kBusy, kTimedOut, kStopped };
   // Runs the loop on the calling thread until done(ctx) is true (checked
   // before each handler), `deadline` passes or the loop stops. kBusy, at

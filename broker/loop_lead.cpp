@@ -35,6 +35,12 @@
 // polls, so a peer on the same CPU still runs (pinned to one CPU: 29 us
 // either way), and a thread whose polls keep finding nothing stops polling
 // for a while (SpinHistory), so a thread that waits long wastes little.
+// The window stretches to what the thread's answers have been taking, up
+// to four times wait_spin (spin_window()): over ssh to localhost a call's
+// answer takes about 100 us, so a 50 us window always missed, the thread
+// backed off and slept, and each call paid the wake-up (bench_ssh's round
+// trip 128 us against raw `ssh cat`'s 87 us; with the stretch, see
+// DESIGN.md). A thread pays for it in CPU: up to the window per wait.
 //
 // Each pair of "store mine, then load theirs" below (owner against sleepers_,
 // owner against wake_pending_) is sequentially consistent: of two threads
@@ -42,6 +48,8 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+
+#include <algorithm>
 
 #include "broker/broker.h"
 #include "broker/errors.h"
@@ -56,9 +64,12 @@ namespace {
 // Per thread: whether polling has been paying. After kMissesToBackOff
 // windows in a row that ended without the awaited event, the thread sleeps
 // at once for its next kBackOffWaits waits, then polls once to look again.
+// `typical_ns` follows how long its leading waits took to be answered (a
+// moving average, each wait weighing a quarter), for spin_window().
 struct SpinHistory {
   std::uint8_t misses = 0;
   std::uint8_t skip = 0;
+  std::int64_t typical_ns = 0;
 };
 thread_local SpinHistory tl_spin;
 constexpr std::uint8_t kMissesToBackOff = 4;
@@ -78,7 +89,8 @@ std::size_t Broker::poll_window(Answered answered, Clock::time_point deadline) {
     return 0;
   }
   wait_polls_.fetch_add(1, std::memory_order_relaxed);
-  const Clock::time_point until = std::min(Clock::now() + opts_.wait_spin, deadline);
+  const auto window = spin_window(opts_.wait_spin, std::chrono::nanoseconds(tl_spin.typical_ns));
+  const Clock::time_point until = std::min(Clock::now() + window, deadline);
   std::size_t ran = 0;
   bool hit = false;
   while (!(hit = answered(ran)) && !io_.stopped() && Clock::now() < until) {
@@ -94,6 +106,11 @@ std::size_t Broker::poll_window(Answered answered, Clock::time_point deadline) {
     tl_spin.skip = kBackOffWaits;
   }
   return ran;
+}
+
+std::chrono::nanoseconds Broker::spin_window(std::chrono::nanoseconds base, std::chrono::nanoseconds typical) {
+  if (base.count() <= 0 || typical <= base || typical > base * kSpinStretch) return base;
+  return std::min(typical + typical / 4, base * kSpinStretch);
 }
 
 // Takes the free loop for the calling thread, as `who`.
@@ -208,12 +225,18 @@ Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Cloc
   }
   leads_.fetch_add(1, std::memory_order_relaxed);
   Lead how = Lead::kDone;
+  const Clock::time_point began = Clock::now();
   if (!done(ctx)) poll_window([done, ctx](std::size_t) { return done(ctx); }, deadline);
   while (!done(ctx)) {
     if (run_one_handler(deadline) == 0) {
       how = io_.stopped() ? Lead::kStopped : Lead::kTimedOut;
       break;
     }
+  }
+  if (how == Lead::kDone) {
+    const std::int64_t took = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - began).count();
+    std::int64_t& typical = tl_spin.typical_ns;
+    typical = typical == 0 ? took : typical + (took - typical) / 4;
   }
   if (leader_quieted_) {
     // A write to a closed pipe left SIGPIPE pending on this thread: consume

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <asio/posix/stream_descriptor.hpp>
@@ -169,6 +170,49 @@ TEST(BrokerLead, BackToBackLeadsLengthenTheOwnThreadsLinger) {
   constexpr long kPerLinger = 300ms / Broker::kLinger, kPerMaxLinger = 300ms / Broker::kMaxLinger;
   EXPECT_LT(switches, 2 * kPerMaxLinger + 4 * taken_back + 20)
       << leads << " leads, " << taken_back << " taken back; one look per kLinger would be about " << kPerLinger;
+}
+
+TEST(BrokerLead, TheWindowStretchesToAnswersALittleLaterThanIt) {
+  using std::chrono::nanoseconds;
+  const nanoseconds base = 50us;
+  EXPECT_EQ(Broker::spin_window(base, 0ns), base) << "no history yet";
+  EXPECT_EQ(Broker::spin_window(base, 20us), base) << "answers inside the window";
+  EXPECT_EQ(Broker::spin_window(base, 100us), 125us) << "a quarter more than they take";
+  EXPECT_EQ(Broker::spin_window(base, 190us), base * Broker::kSpinStretch) << "capped";
+  EXPECT_EQ(Broker::spin_window(base, 201us), base) << "answers too slow to be worth polling for";
+  EXPECT_EQ(Broker::spin_window(0us, 100us), 0ns) << "wait_spin 0 never polls";
+}
+
+// Leading waits answered 20 ms after they begin, with a 10 ms window:
+// without the stretch every window missed (and the thread backed off after
+// four); with it, the thread's history says 20 ms, and the next windows
+// (25 ms) catch them. Milliseconds, not the microseconds of real calls, so
+// that a loaded machine's preemptions (a few ms) rarely cost a window.
+TEST(BrokerLead, AThreadWhoseAnswersComeJustAfterTheWindowReadsThemWhilePolling) {
+  Broker::Options o;
+  o.wait_spin = 10ms;
+  Broker broker(o);
+  testutil::settle(broker);
+  constexpr int kWaits = 10;
+  int done_waits = 0;
+  std::uint64_t answered = 0;
+  std::thread caller([&] {  // a thread of its own: no history of other tests' waits
+    for (int i = 0; i < kWaits; ++i) {
+      auto done = std::make_shared<std::atomic<bool>>(false);
+      const std::uint64_t before = broker.stats().wait_polls_answered;
+      bool asked = false;
+      const Broker::Lead how = lead_after_step_aside(broker, *done, Clock::now() + kGuard, [&] {
+        if (!std::exchange(asked, true)) broker.call_later(20ms, [done] { *done = true; });
+      });
+      if (how != Broker::Lead::kDone) return;
+      ++done_waits;
+      answered += broker.stats().wait_polls_answered - before;
+    }
+  });
+  caller.join();
+  ASSERT_EQ(done_waits, kWaits);
+  EXPECT_GE(answered, 3u)
+      << "waits answered 2x the window after they began still slept";
 }
 
 TEST(BrokerLead, ACallerLeadingWhenTheLoopStopsIsToldAndTheBrokerFinishes) {
