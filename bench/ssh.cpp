@@ -332,10 +332,9 @@ int run(const Config& cfg, bench::Report& report) {
   // How the caller waited (broker/loop_lead.cpp): whether it read its own
   // replies (each time the broker thread took the loop back, a later call
   // paid a wake-up), and how many of its waits a poll answered before sleep.
-  const std::uint64_t waits = lead1.caller_leads - lead0.caller_leads;
   std::printf("  the caller led the loop in %llu waits, the broker thread took it back %llu times; "
               "%llu waits polled, %llu of them answered while polling\n",
-              static_cast<unsigned long long>(waits),
+              static_cast<unsigned long long>(lead1.caller_leads - lead0.caller_leads),
               static_cast<unsigned long long>(lead1.loop_returns - lead0.loop_returns),
               static_cast<unsigned long long>(lead1.wait_polls - lead0.wait_polls),
               static_cast<unsigned long long>(lead1.wait_polls_answered - lead0.wait_polls_answered));

@@ -27,13 +27,13 @@
 
 #include <boost/container/small_vector.hpp>
 
-#include "stream/account.h"
-#include "stream/fd_frame.h"
+#include "broker/ring.h"
 #include "spindle/fds.h"
 #include "spindle/frame.h"
 #include "spindle/message.h"
+#include "stream/account.h"
+#include "stream/fd_frame.h"
 #include "stream/payload.h"
-#include "broker/ring.h"
 
 struct iovec;
 

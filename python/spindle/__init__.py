@@ -194,7 +194,8 @@ class Router(_Endpoint):
         # message (a sealed memfd): hence 1 GiB, not the C++ default 128 MiB.
         # wait_spin (seconds; this router's and its forked children's): a
         # thread waiting for a call's answer, a job or a message polls for up
-        # to this long before it sleeps (RouterOptions::wait_spin); 0: never.
+        # to this long before it sleeps (RouterOptions::wait_spin), or up to
+        # four times it when its answers have been taking that long; 0: never.
         self._max_message_size = int(max_message_size)
         self._core = _spindle.Runtime(self._max_message_size, float(wait_spin))
         # Pickles from itself and the Python children it starts (_adopt).
