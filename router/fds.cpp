@@ -57,7 +57,10 @@ void Router::prepare_fds_for_send(Message& msg) {
     return;
   // One copy into the memfd on the caller's thread, then a view of it: the
   // size (and so every gauge charge) is unchanged; a peer that cannot take
-  // fds is sent the bytes from this view.
+  // fds is sent the bytes from this view. The view is not populated: the fd
+  // is what travels, and building its page tables cost the caller 25 ms per
+  // 256 MiB (a quarter of the copy), and the broker as much again to tear
+  // them down after the send (bench_fds' heap row, 2026-11-28).
   try {
     msg.data = SealedMemfd::copy_of(msg.data)->map();
   } catch (const std::system_error& e) {
@@ -91,7 +94,7 @@ bool Router::charge_fds(Link& in, Message& m) {
 // whoever reads the bytes faults them in, on its own thread.
 bool Router::map_sealed_body(Message& m) {
   try {
-    m.data = m.sealed_body->map(/*populate=*/false);
+    m.data = m.sealed_body->map();
   } catch (const std::system_error& e) {
     send_dead(m.header, fmt::format("{}: {}", reason::kBadMemfd, e.what()));
     return false;

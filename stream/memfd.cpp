@@ -156,10 +156,9 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& 
   return m;
 }
 
-Payload SealedMemfd::map(bool populate) const {
+Payload SealedMemfd::map() const {
   if (size_ == 0) return {};
-  void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0),
-                      fd_.get(), 0);
+  void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_.get(), 0);
   if (addr == MAP_FAILED) throw_errno("mmap(memfd, PROT_READ)");
   std::shared_ptr<const SealedMemfd> self = shared_from_this();
   auto owner = std::make_shared<Mapping>(addr, size_, self);
@@ -218,7 +217,7 @@ Payload PayloadBuffer::seal(View view) && {
   auto memfd = std::make_shared<SealedMemfd>(std::move(sealed), size_);
   if (!addr_) size_ = 0;
   // The producer has written its bytes; it rarely reads them back.
-  return memfd->map(false);
+  return memfd->map();
 }
 
 }  // namespace spindle

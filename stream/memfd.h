@@ -63,11 +63,11 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   std::size_t size() const { return size_; }
   // A read-only view of the whole contents; the Payload's owner is the
   // mapping, which keeps this memfd alive, and payload.memfd() names it, so
-  // sending the payload on passes the fd again. `populate` builds the page
-  // tables up front (MAP_POPULATE): one pass instead of a fault per few
-  // pages, for a receiver that is about to read the bytes. Throws
-  // std::system_error.
-  Payload map(bool populate = true) const;
+  // sending the payload on passes the fd again. Never populated: whoever
+  // reads the bytes faults them in, on its own thread, and a view that is
+  // only sent on (the fd travels) or read in part costs no page tables.
+  // Throws std::system_error.
+  Payload map() const;
 
   SealedMemfd(UniqueFd fd, std::size_t size) : fd_(std::move(fd)), size_(size) {}
 

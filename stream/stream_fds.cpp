@@ -210,7 +210,7 @@ void Stream::push_frame(Message&& m, std::size_t charged) {
     // inline in the SF frame (mapped, not populated).
     if (m.sealed_body) {
       try {
-        m.data = m.sealed_body->map(false);
+        m.data = m.sealed_body->map();
       } catch (const std::exception& e) {
         return refuse(std::move(m), charged, fmt::format("{}: {}", fdreason::kBadMemfd, e.what()));
       }

@@ -5,7 +5,9 @@
 // Thread safety: free functions; router_counts() connects a client of its own.
 #pragma once
 
+#include <fcntl.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -84,5 +86,14 @@ inline long vm_rss_kib(pid_t pid) { return proc_status_kib(pid, "VmRSS:"); }
 
 // A process's peak resident set since it started (VmHWM), in KiB; -1 if gone.
 inline long vm_hwm_kib(pid_t pid) { return proc_status_kib(pid, "VmHWM:"); }
+
+// Resets this process's VmHWM to its current RSS (Linux's clear_refs "5"),
+// so that a test can measure the peak of one step.
+inline bool reset_peak_rss() {
+  int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  bool ok = ::write(fd, "5", 1) == 1;
+  return ::close(fd) == 0 && ok;
+}
 
 }  // namespace spindle::testutil

@@ -45,6 +45,7 @@
 #include <spindle/spindle.h>
 
 #include "tests/fds_test_util.h"
+#include "tests/router_probe.h"
 #include "tests/sshd_fixture.h"
 
 namespace test_ssh {
@@ -106,14 +107,6 @@ long status_kib(const std::string& field) {
   return -1;
 }
 
-// Resets this process's VmHWM to its current RSS (Linux's clear_refs "5").
-bool reset_peak_rss() {
-  int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  bool ok = ::write(fd, "5", 1) == 1;
-  return ::close(fd) == 0 && ok;
-}
-
 // The parent pid and the command name (comm) of a process, from /proc.
 std::pair<long, std::string> parent_and_comm(long pid) {
   std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
@@ -138,6 +131,7 @@ std::vector<long> children_named(long ppid, const std::string& comm) {
 }
 
 using spindle::testutil::Pipe;
+using spindle::testutil::reset_peak_rss;
 constexpr auto make_pipe = spindle::testutil::make_owned_pipe;
 
 // Whether `fd` reads EOF within `timeout` (every write end closed).
