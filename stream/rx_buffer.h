@@ -9,7 +9,8 @@
 //
 // Memory: a chunk is reused in place once nobody else holds it, and one spare
 // is kept, so a peer whose messages are handled and let go costs no
-// allocation per chunk. A chunk retired while payloads still hold it is
+// allocation per chunk (a small frame's start at the end of a full chunk is
+// copied to the next, so that no frame holds two). A chunk retired while payloads still hold it is
 // charged, whole, to the peer's account until they let go (a 64-byte message
 // kept by a handler pins 128 KiB, and that is what it costs).
 //
@@ -28,6 +29,10 @@
 namespace spindle {
 
 inline constexpr std::size_t kChunkSize = 128 * 1024;
+// The most unread bytes a full chunk hands on to the next by copying them
+// (a frame's start; see move_tail_to_fresh_chunk): at most an eighth of the
+// chunk, copied once per chunk.
+inline constexpr std::size_t kMovedTailMax = 16 * 1024;
 
 class RxBuffer {
  public:
@@ -54,6 +59,7 @@ class RxBuffer {
 
  private:
   std::shared_ptr<Chunk> new_chunk();
+  void move_tail_to_fresh_chunk();
   void release_consumed_front();
   void retire(std::shared_ptr<Chunk> c);
 

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -386,6 +388,49 @@ TEST(FrameParserTest, PayloadSurvivesLaterInput) {
   d.run(p);
   EXPECT_EQ(d.msgs.size(), 398u);
   EXPECT_EQ(payload_bytes(m1.data), b1);
+}
+
+// A peer streaming small messages that are handled and let go: the reads
+// land in two chunks that take turns, whatever the reads' sizes, and no
+// frame holds two chunks. (Before, the frame across each chunk boundary held
+// the full chunk as it retired, and every chunk after the first was new.)
+// The chunks are told apart by their control blocks, which the weak
+// references keep from being reused. Bytes come in as a stream reads them:
+// into read_target(), at most `read` at a time, each read's frames handled
+// before the next.
+TEST(FrameParserTest, SmallFramesHandledAndLetGoReuseTwoChunks) {
+  Bytes s;
+  constexpr std::uint32_t kFrames = 20000;  // about 14 chunks of 90-byte frames
+  for (std::uint32_t i = 0; i < kFrames; ++i) {
+    Bytes f = frame(header_for(i, 64), pattern(64, i));
+    s.insert(s.end(), f.begin(), f.end());
+  }
+  for (std::size_t read : {std::size_t{65536}, std::size_t{4099}, kChunkSize}) {
+    RxBuffer rx;
+    FrameParser p(rx);
+    std::set<std::weak_ptr<const void>, std::owner_less<>> chunks;
+    std::uint32_t seen = 0;
+    for (std::size_t off = 0; off < s.size();) {
+      auto dst = p.read_target();
+      const std::size_t n = std::min({dst.size(), read, s.size() - off});
+      std::memcpy(dst.data(), s.data() + off, n);
+      p.commit(n);
+      off += n;
+      for (;;) {
+        Message m;
+        ParseResult r = p.next(m);
+        ASSERT_NE(r.status, ParseStatus::kInvalid) << r.error;
+        if (r.status != ParseStatus::kComplete) break;
+        ASSERT_EQ(m.header.handle, 1000 + seen) << "read " << read;
+        ASSERT_EQ(payload_bytes(m.data), pattern(64, seen)) << "read " << read;
+        EXPECT_EQ(m.data.slices().size(), 1u) << "frame " << seen << " holds two chunks (read " << read << ")";
+        chunks.insert(m.data.slices().front().owner);
+        ++seen;
+      }
+    }
+    EXPECT_EQ(seen, kFrames);
+    EXPECT_EQ(chunks.size(), 2u) << "read " << read;
+  }
 }
 
 // ---------------------------------------------------------------------------
