@@ -692,8 +692,11 @@ def main():
 
     # 3. The big array, there and back.
     payload = np.arange(mib * MiB // 8, dtype=np.int64)
-    memcpy = statistics.median(payload.nbytes / memcpy_fresh_seconds(payload) / 1e9
-                               for _ in range(big_reps + 1))
+    # The floor is the best of five: whether the kernel hands out huge pages
+    # for fresh memory changes from one copy to the next (3.0 to 6.4 GB/s on
+    # one quiet machine, 2026-11-28), and a median of three that caught the
+    # slow ones once read "target met" where the machine can do twice that.
+    memcpy = max(payload.nbytes / memcpy_fresh_seconds(payload) / 1e9 for _ in range(5))
     report.add(f"py_array_{mib}MiB_memcpy_fresh", memcpy, "GB/s")
     report.add(f"py_array_{mib}MiB_memcpy_fresh_4k_pages", statistics.median(
         payload.nbytes / memcpy_fresh_4k_seconds(payload) / 1e9 for _ in range(big_reps + 1)), "GB/s")
