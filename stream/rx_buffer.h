@@ -10,9 +10,10 @@
 // Memory: a chunk is reused in place once nobody else holds it, and one spare
 // is kept, so a peer whose messages are handled and let go costs no
 // allocation per chunk (a small frame's start at the end of a full chunk is
-// copied to the next, so that no frame holds two). A chunk retired while payloads still hold it is
-// charged, whole, to the peer's account until they let go (a 64-byte message
-// kept by a handler pins 128 KiB, and that is what it costs).
+// copied to the next, so that no frame holds two). A chunk retired while
+// payloads still hold it is charged, whole, to the peer's account until they
+// let go (a 64-byte message kept by a handler pins 128 KiB, and that is what
+// it costs).
 //
 // Thread safety: owned by one Stream and used only on the broker thread.
 #pragma once
