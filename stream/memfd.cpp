@@ -216,7 +216,6 @@ Payload PayloadBuffer::seal(View view) && {
   fd_.reset();
   auto memfd = std::make_shared<SealedMemfd>(std::move(sealed), size_);
   if (!addr_) size_ = 0;
-  // The producer has written its bytes; it rarely reads them back.
   return memfd->map();
 }
 

@@ -330,14 +330,13 @@ TEST(MemfdRouter, TheSendersCopyIntoAMemfdAddsNothingToItsResidentSet) {
   Router router(broker, root_opts());
   Context c = fork_child(router, memfd_child, named("memfd-rss"));
   constexpr std::size_t kSize = 64u << 20;
-  std::string want;
   Payload heap;
   {
     std::string big(kSize, '\0');
     for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 11 + (i >> 12));
-    want = describe(Payload::copy_of(big)).replace(0, 6, "memfd");
     heap = Payload::copy_of(big);
   }
+  const std::string want = describe(heap).replace(0, 6, "memfd");
   ASSERT_TRUE(reset_peak_rss()) << "cannot reset VmHWM through /proc/self/clear_refs";
   const long base_kib = vm_rss_kib(::getpid());
   EXPECT_EQ(c.call(kDescribe, heap, 20s).to_string(), want);
