@@ -18,16 +18,22 @@
 
 #include "broker/broker.h"
 #include "broker/errors.h"
+#include "spindle/options.h"
 #include "stream/memfd.h"
 
 namespace spindle {
 namespace {
 
-// Free blocks of this thread, reused before new ones are allocated. Bounded,
-// so a burst that once needed many blocks does not keep them forever. Only a
-// broker's own thread keeps any: an application thread that ran the loop for
-// a while (broker.h, leader/follower) frees its blocks, so a process with many
-// calling threads does not hold 2 MiB in each of them.
+// Free blocks of this thread, reused before new ones are allocated. It keeps
+// as many as one stream's queue holds at the default high-water mark (8 MiB,
+// and the block its last frame straddles), so a queue that fills to its mark
+// and drains, again and again (a receiver that reads in bursts), allocates
+// nothing after the first time (with 64 kept, 2 MiB, each refill allocated
+// up to 193 blocks again). The price: a thread that once queued 8 MiB keeps
+// it, as malloc would keep most of it in its arena anyway.
+// Only a broker's own thread keeps any: an application thread that ran the
+// loop for a while (broker.h, leader/follower) frees its blocks, so a process
+// with many calling threads does not hold blocks in each of them.
 class BlockPool {
  public:
   ~BlockPool() {
@@ -46,7 +52,7 @@ class BlockPool {
   std::size_t size() const { return free_.size(); }
 
  private:
-  static constexpr std::size_t kMaxCached = 64;  // 2 MiB per broker thread
+  static constexpr std::size_t kMaxCached = kDefaultHighWaterMark / kTxBlockSize + 1;
   std::vector<std::uint8_t*> free_;
 };
 

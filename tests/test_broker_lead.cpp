@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -27,6 +28,7 @@
 #include "router/router.h"
 #include "services/pool.h"
 #include "spindle/frame.h"
+#include "spindle/options.h"
 #include "stream/tx_queue.h"
 #include "stream_test_util.h"
 #include "tests/router_test_util.h"
@@ -370,15 +372,19 @@ TEST(BrokerLead, AnIdlePoolWorkerRunsTheLoopThatBringsItsNextMessage) {
 // Sends queued and written on a thread free their blocks there. Only a
 // broker's own thread keeps free blocks for reuse: an application thread
 // that ran the loop for a while keeps none.
-std::size_t queue_and_write_200_frames() {
-  TxQueue q;
+std::size_t queue_and_write_frames(TxQueue& q, std::size_t bytes) {
   std::vector<std::uint8_t> body(1000, 0x5a);
   Header h{};
   h.length = static_cast<std::uint32_t>(body.size());
-  for (int i = 0; i < 200; ++i) q.append_inline(encode_header(h), body.data(), body.size());
+  while (q.queued_bytes() < bytes) q.append_inline(encode_header(h), body.data(), body.size());
   const std::size_t used = q.blocks();
   q.advance(q.queued_bytes());
   return used;
+}
+
+std::size_t queue_and_write_200_frames() {
+  TxQueue q;
+  return queue_and_write_frames(q, 200 * (kHeaderSize + 1000));
 }
 
 TEST(BrokerLead, OnlyABrokersOwnThreadKeepsFreeSendBlocks) {
@@ -395,6 +401,23 @@ TEST(BrokerLead, OnlyABrokersOwnThreadKeepsFreeSendBlocks) {
     return TxQueue::cached_blocks();
   });
   EXPECT_GT(kept, 0u) << "the broker's own thread reuses its free blocks";
+}
+
+// A queue that fills to the high-water mark and drains, again and again (a
+// receiver that reads in bursts), allocates its blocks once: the broker's
+// thread keeps every one of them for the next fill.
+TEST(BrokerLead, ABrokersThreadKeepsTheBlocksOfAQueueFilledToItsHighWaterMark) {
+  Broker broker;
+  const auto [used, kept, left] = run_on(broker, [] {
+    TxQueue q;
+    const std::size_t used = queue_and_write_frames(q, kDefaultHighWaterMark);
+    const std::size_t kept = TxQueue::cached_blocks();
+    queue_and_write_frames(q, kDefaultHighWaterMark);
+    return std::tuple{used, kept, TxQueue::cached_blocks()};
+  });
+  EXPECT_GE(used, kDefaultHighWaterMark / kTxBlockSize) << "the queue did not reach the mark";
+  EXPECT_GE(kept, used) << "free blocks were given back to malloc, to be allocated again";
+  EXPECT_EQ(left, kept) << "the second fill did not reuse the same blocks";
 }
 
 // Blocking calls from several threads at once: one leads, the others sleep
