@@ -40,6 +40,7 @@ struct alignas(64) Inbox {
   std::atomic<std::uint32_t> from{0};     // the partner's context id
   std::atomic<std::uint64_t> target{0};   // received count at which this run is done
   std::atomic<std::uint64_t> errors{0};
+  std::atomic<bool> stall{false};         // hold the run's first message (run())
   std::uint64_t next = 0, got = 0;        // the broker thread only
 };
 
@@ -69,14 +70,22 @@ class Pairs {
   // time before its thread turns to the next sender (the relay floor's
   // writers take their pairs the same way); returns the seconds from the
   // first send to the last receipt. Throws if any is lost or wrong.
-  double run(std::uint64_t per_pair, std::uint64_t per_turn) {
+  // With `stall`, each receiver's broker thread sleeps that long on its first
+  // message, so that the queues on the way fill to their high-water marks
+  // (given enough messages to fill them: the sockets' buffers first).
+  double run(std::uint64_t per_pair, std::uint64_t per_turn,
+             std::chrono::milliseconds stall = std::chrono::milliseconds(0)) {
+    stall_ = stall;
     const int n = static_cast<int>(senders_.size());
     {
       std::lock_guard lk(mu_);
       finished_ = false;
     }
     remaining_.store(n);
-    for (auto& b : inboxes_) b->target.store(sent_ + per_pair);
+    for (auto& b : inboxes_) {
+      b->target.store(sent_ + per_pair);
+      b->stall.store(stall.count() > 0);
+    }
     std::exception_ptr error;
     std::mutex error_mu;
     const int threads = std::min(n, kPairsMaxSenderThreads);
@@ -128,6 +137,8 @@ class Pairs {
 
  private:
   void on_message(Inbox& box, const Message& m) {
+    if (box.stall.load(std::memory_order_relaxed) && box.stall.exchange(false))
+      std::this_thread::sleep_for(stall_);
     std::uint64_t seq = ~0ull;
     if (m.data.size() == kPairsMessageSize && m.header.src_id == box.from.load(std::memory_order_relaxed)) {
       std::uint8_t b[kPairsMessageSize];
@@ -147,6 +158,7 @@ class Pairs {
   // Declared before the connections, so they outlive every handler.
   std::vector<std::unique_ptr<Inbox>> inboxes_;
   std::uint64_t sent_ = 0;  // per pair, over all runs
+  std::chrono::milliseconds stall_{0};  // set by run() before its first send
   std::atomic<int> remaining_{0};  // receivers not done with this run
   std::mutex mu_;
   std::condition_variable cv_;
