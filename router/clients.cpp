@@ -58,16 +58,27 @@ void Router::client_opened(Link& l) {
              l.client->trusted ? ", same uid" : "");
 }
 
-void Router::refuse_undecodable(Link& out, Message&& m) {
-  std::string why = fmt::format("{}: enc {} (0x{:04x}) to Mitogen context {}",
-                                reason::kUndecodable, enc_name(m.header.enc), m.header.enc,
-                                out.remote_id);
-  if (Message::wants_dead_reply(m) || m.is_dead()) return send_dead(m.header, why);
-  log().warn("stream={} {}; telling the receiver (handle {})", out.stream->name(), why,
-             m.header.handle);
-  Message d = Message::make(m.header.dst_id, m.header.handle, Payload::copy_of(why), kEncMitogen);
+std::string Router::undecodable_why(const Link& out, const Header& h) const {
+  return fmt::format("{}: enc {} (0x{:04x}) to Mitogen context {}", reason::kUndecodable, enc_name(h.enc),
+                     h.enc, out.remote_id);
+}
+
+// What a Mitogen peer is told, in its terms, in place of a one-way frame it
+// cannot decode: a dead message on the frame's handle.
+Message Router::undecodable_notice(const Link& out, const Header& h) const {
+  Message d = Message::make(h.dst_id, h.handle, Payload::copy_of(undecodable_why(out, h)), kEncMitogen);
   d.header.reply_to = kHandleIsDead;
-  send_internal(std::move(d));
+  d.header.src_id = d.header.auth_id = id();
+  return d;
+}
+
+void Router::refuse_undecodable(Link& out, Message&& m) {
+  if (Message::wants_dead_reply(m) || m.is_dead()) return send_dead(m.header, undecodable_why(out, m.header));
+  // Summed up, not a line per frame: a peer writes them as fast as it likes.
+  note_refusal(out, "undecodable frame", [&] {
+    return fmt::format("{}; telling the receiver (handle {})", undecodable_why(out, m.header), m.header.handle);
+  });
+  send_internal(undecodable_notice(out, m.header));
 }
 
 std::vector<ClientStats> Router::client_stats() {

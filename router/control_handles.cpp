@@ -1,6 +1,9 @@
 // The control handles a router answers itself: ADD_ROUTE and DEL_ROUTE (what
 // a child says about the contexts behind it), SHUTDOWN (from the parent
 // only), FORWARD_LOG (log lines of children), and ALLOCATE_ID (the root).
+// Routes and SHUTDOWN are accepted only from the context at the other end of
+// the link (src_id is its id), never from another context through it; so
+// are log lines that come from the parent.
 //
 // Authority (docs/PROTOCOL.md §2.10): an id belongs to the link it was
 // allocated on. The root remembers, on the link that asked, each id it hands
@@ -29,6 +32,15 @@ namespace {
 // misbehaving peer can make the root hold (docs/PROTOCOL.md, 6.2, 6.4).
 constexpr std::size_t kMaxRoutesPerLink = 65536;
 constexpr std::size_t kMaxPendingGrants = 1024;
+
+std::string_view control_name(std::uint32_t handle) {
+  switch (handle) {
+    case kHandleAddRoute: return "ADD_ROUTE";
+    case kHandleDelRoute: return "DEL_ROUTE";
+    case kHandleForwardLog: return "FORWARD_LOG";
+    default: return "SHUTDOWN";
+  }
+}
 }  // namespace
 
 // Request: empty (one id, answered "id") or the ASCII count of a block
@@ -138,12 +150,31 @@ bool Router::handle_control(Link& in, Message& m) {
   const std::uint32_t h = m.header.handle;
   if (h != kHandleAddRoute && h != kHandleDelRoute && h != kHandleShutdown && h != kHandleForwardLog)
     return false;
+  // Each side of a link announces its own routes and asks its own child to
+  // stop. The same handles addressed to us by any other context (a client,
+  // through the router that is our parent) are refused: otherwise any client
+  // could fail our calls to a third one with a DEL_ROUTE, or write into our
+  // log. Log lines are the exception below us: Mitogen sends a context's
+  // lines to the master through every hop, and their source passed the
+  // reverse-path check, so it is behind this link.
+  if (m.header.src_id != in.remote_id && (h != kHandleForwardLog || &in == parent_)) {
+    if (h == kHandleShutdown) {
+      send_dead(m.header, fmt::format("{}: SHUTDOWN is accepted only from the parent", reason::kRefusedByPolicy));
+    } else {
+      note_refusal(in, control_name(h), [&] {
+        return fmt::format("{} (from context {} via stream {})", reason::kNotAdjacent, m.header.src_id,
+                           in.stream->name());
+      });
+      if (m.header.reply_to != 0 && !m.is_dead()) send_dead(m.header, std::string(reason::kNotAdjacent));
+    }
+    return true;
+  }
   if (h == kHandleForwardLog) {
     forward_log(in, m);
     return true;
   }
   if (h == kHandleShutdown) {
-    if (&in != parent_ || m.header.src_id != in.remote_id) {
+    if (&in != parent_) {
       send_dead(m.header, fmt::format("{}: SHUTDOWN is accepted only from the parent", reason::kRefusedByPolicy));
       return true;
     }
@@ -156,7 +187,7 @@ bool Router::handle_control(Link& in, Message& m) {
   auto colon = text.find(':');
   auto target = parse_context_id(std::string_view(text).substr(0, colon));
   if (!target) {
-    note_refusal(in, h == kHandleAddRoute ? "ADD_ROUTE" : "DEL_ROUTE",
+    note_refusal(in, control_name(h),
                  [&] { return fmt::format("malformed payload {:?}", std::string_view(text).substr(0, 64)); });
     return true;
   }
@@ -168,6 +199,13 @@ bool Router::handle_control(Link& in, Message& m) {
   auto it = routes_.find(*target);
   if (in.role == StreamRole::kChild) {
     if (it == routes_.end() || it->second != &in) return true;  // not theirs to delete
+    if (*target == in.remote_id) {
+      // Its id would count as free while it still sends as that id: the
+      // next client given the id would share it (calls to it answered by
+      // this one).
+      note_refusal(in, control_name(h), [] { return std::string(reason::kOwnRoute); });
+      return true;
+    }
     remove_route(*target);
   } else if (it != routes_.end()) {
     return true;  // the parent cannot delete a route that runs through a child

@@ -176,6 +176,15 @@ void Router::on_stream_message(Stream& s, Message&& m) {
   enqueue_on(*out, std::move(m), charge);
 }
 
+// Control handles that only the context at the other end of a link sends
+// to its own router, so that a router never passes them on from below:
+// routes and SHUTDOWN, and log lines other than upwards (Mitogen sends a
+// context's log lines to the master through every hop).
+bool Router::is_adjacent_only(std::uint32_t handle, bool upwards) {
+  return handle == kHandleAddRoute || handle == kHandleDelRoute || handle == kHandleShutdown ||
+         (handle == kHandleForwardLog && !upwards);
+}
+
 // Where a frame from `in` for another context goes, or null after answering
 // why it cannot.
 Router::Link* Router::forward_target(Link& in, const Header& h, std::size_t body) {
@@ -183,6 +192,16 @@ Router::Link* Router::forward_target(Link& in, const Header& h, std::size_t body
   Link* out = route_for(dst);
   if (!out || out == &in) {
     send_dead(h, fmt::format("{}: {}", reason::kNoRoute, dst));
+    return nullptr;
+  }
+  if (in.role == StreamRole::kChild && is_adjacent_only(h.handle, out == parent_)) {
+    // Not passed on: a stock Mitogen peer would take a DEL_ROUTE forwarded
+    // from any client as its parent's (control_handles.cpp checks ours).
+    note_refusal(in, "control message", [&] {
+      return fmt::format("{} (handle {} from context {} to context {})", reason::kNotAdjacent, h.handle,
+                         h.src_id, dst);
+    });
+    if (h.reply_to != 0 && !h.is_dead()) send_dead(h, std::string(reason::kNotAdjacent));
     return nullptr;
   }
   if (opts_.unidirectional && in.role == StreamRole::kChild && out->role == StreamRole::kChild) {
@@ -211,6 +230,21 @@ void Router::forward(Link& in, InFrame& f) {
   Link* out = forward_target(in, f.header, f.body_size());
   if (!out) return;
   Stream& s = *out->stream;
+  if (out->dialect == Dialect::kMitogen && !mitogen_can_decode(f.header.enc) && s.accepts_output() &&
+      f.header.reply_to == 0) {
+    // A one-way frame the Mitogen peer cannot decode: the notice that stands
+    // for it is charged on the peer's mark like the frame would be, so a
+    // flood of them holds the sender, and is logged in summary.
+    note_refusal(in, "undecodable frame", [&] {
+      return fmt::format("{}; telling the receiver (handle {})", undecodable_why(*out, f.header),
+                         f.header.handle);
+    });
+    Message d = undecodable_notice(*out, f.header);
+    const std::size_t charge = kHeaderSize + d.data.size();
+    if (!s.gauge().try_acquire(charge) && !over_mark(in, *out, d.header, charge)) return;
+    enqueue_on(*out, std::move(d), charge);
+    return;
+  }
   if ((out->dialect == Dialect::kMitogen && !mitogen_can_decode(f.header.enc)) ||
       !s.accepts_output()) {
     Message m = f.take();

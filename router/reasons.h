@@ -34,5 +34,11 @@ inline constexpr std::string_view kNotYourId = "refused: the id was not allocate
 inline constexpr std::string_view kNotFromCallee = "reply from unexpected context";
 inline constexpr std::string_view kClientLogsRefused =
     "log lines from router clients are not accepted (--accept-client-logs)";
+// Routes and SHUTDOWN pass only between adjacent contexts (and log lines
+// only up): each side speaks for itself, never another context through it.
+inline constexpr std::string_view kNotAdjacent =
+    "refused: this control message is accepted only from the adjacent context itself";
+inline constexpr std::string_view kOwnRoute =
+    "refused: a link cannot delete the route to its own context (it leaves by closing)";
 
 }  // namespace spindle::reason

@@ -341,8 +341,14 @@ class Router : public StreamListener, public ShutdownParticipant {
   void send_internal(Message&& m);  // broker thread: control messages of ours
   void route_internal(Message&& m);
   bool enqueue_on(Link& out, Message&& m, std::size_t charged);
-  // A Mitogen peer cannot decode a Spindle encoding: says why instead.
+  // Whether a router never passes `handle` on from a child link (upwards:
+  // towards its parent).
+  static bool is_adjacent_only(std::uint32_t handle, bool upwards);
+  // A Mitogen peer cannot decode a Spindle encoding: says why instead (a
+  // dead reply to a sender that wants one, else a notice to the peer).
   void refuse_undecodable(Link& out, Message&& m);
+  std::string undecodable_why(const Link& out, const Header& h) const;
+  Message undecodable_notice(const Link& out, const Header& h) const;
   void flush_dirty();
   void mark_dirty(Link& l);
   void note_turn_output(Link& l);

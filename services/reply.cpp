@@ -7,16 +7,23 @@
 
 #include <future>
 
+#include <fmt/format.h>
+
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "services/reasons.h"
 
 namespace spindle::services {
 
 void send_dead_reply(Router& router, const Message& request, std::string_view reason) {
   if (!Message::wants_dead_reply(request)) {
-    // The reason may carry the caller's bytes (a name it asked for): escaped.
-    log().info("service call from context {} not answered (no reply_to): {:?}", request.header.src_id,
-               reason);
+    // The reason may carry the caller's bytes (a name it asked for): escaped,
+    // and summed up, since a caller can send such calls as fast as it writes.
+    static SummaryLog unanswered;
+    unanswered.note([&] {
+      return fmt::format("service call from context {} not answered (no reply_to): {:?}", request.header.src_id,
+                         reason);
+    });
     return;
   }
   try {

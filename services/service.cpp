@@ -10,6 +10,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "services/envelope.h"
 #include "services/reasons.h"
 
@@ -90,8 +91,11 @@ void Service::run(Request& req, const Exposed& m) {
     if (!req.deferred()) reply.send(std::move(result));
   } catch (...) {
     ThrownError t = current_thrown_error();
-    // An exception's text often quotes the arguments it choked on: escaped.
-    log().info("service {}: {} threw {}: {:?}", name_, req.method(), t.type, t.message);
+    // An exception's text often quotes the arguments it choked on: escaped,
+    // and summed up, since a caller can send bad arguments as fast as it
+    // writes (the caller itself gets each error in its reply).
+    static SummaryLog threw;
+    threw.note([&] { return fmt::format("service {}: {} threw {}: {:?}", name_, req.method(), t.type, t.message); });
     reply.fail(t.type, t.message);
   }
 }
