@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <future>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -48,6 +50,25 @@ class Hardening : public RouterFixture {
     int raw = body.get();
     return send_with_fds(from.fd, memfd_frame(dst, src, handle, reply_to, body_enc),
                          std::span<const int>(&raw, 1));
+  }
+  // A call from good_ to `callee`'s `handle`, which the callee holds
+  // unanswered: the pending call, and the question as the callee got it
+  // (answer it with callee.router().reply(question, ...)).
+  struct HeldCall {
+    std::future<std::string> call;
+    Message question;
+  };
+  HeldCall held_call(Connection& callee, std::uint32_t handle) {
+    auto held = std::make_shared<std::promise<Message>>();
+    callee.router().add_handler([held](Message&& m) { held->set_value(std::move(m)); }, {}, handle);
+    HeldCall h;
+    h.call = std::async(std::launch::async, [this, id = callee.id(), handle] {
+      return good_->context(id).call(handle, "real question", std::chrono::seconds(30));
+    });
+    auto pending = held->get_future();
+    EXPECT_EQ(pending.wait_for(std::chrono::seconds(20)), std::future_status::ready) << "the call never arrived";
+    if (pending.wait_for(std::chrono::seconds(0)) == std::future_status::ready) h.question = pending.get();
+    return h;
   }
   // The router's log lines that contain `needle`.
   std::vector<std::string> lines_with(std::string_view needle) const {

@@ -516,15 +516,8 @@ TEST_F(Hardening, ADepartedClientsIdCannotBeClaimed) {
 TEST_F(Hardening, ForgedDeadRepliesCannotFailAnotherClientsCall) {
   start();
   auto callee = connect(socket());
-  std::promise<Message> held;
-  Router& cr = callee->router();
-  cr.add_handler([&](Message&& m) { held.set_value(std::move(m)); }, {}, kEcho);
-  auto call = std::async(std::launch::async, [&] {
-    return good_->context(callee->id()).call(kEcho, "real question", 30s);
-  });
-  auto pending = held.get_future();
-  ASSERT_EQ(pending.wait_for(20s), std::future_status::ready);
-  Message question = pending.get();
+  auto [call, question] = held_call(*callee, kEcho);
+  ASSERT_FALSE(HasFailure());
   const std::uint32_t victim_handle = question.header.reply_to;
   ASSERT_TRUE(is_call_handle(victim_handle));
   RawPeer attacker = raw_client();
@@ -546,7 +539,7 @@ TEST_F(Hardening, ForgedDeadRepliesCannotFailAnotherClientsCall) {
   Message marker;
   ASSERT_TRUE(attacker.read_frame_for(id_, 55, marker, 20s));
   ASSERT_EQ(call.wait_for(0s), std::future_status::timeout) << "a forged dead reply completed the call";
-  cr.reply(question, Payload::copy_of("real answer"));
+  callee->router().reply(question, Payload::copy_of("real answer"));
   EXPECT_EQ(call.get(), "real answer");
   expect_served("forged dead replies");
 }

@@ -167,15 +167,8 @@ TEST_F(HardeningControlRouter, ADelRouteFromAnotherClientCannotFailACallToAThird
   start();
   constexpr std::uint32_t kEcho = 2000;
   auto callee = connect(socket());
-  std::promise<Message> held;
-  Router& cr = callee->router();
-  cr.add_handler([&](Message&& m) { held.set_value(std::move(m)); }, {}, kEcho);
-  auto call = std::async(std::launch::async, [&] {
-    return good_->context(callee->id()).call(kEcho, "real question", 30s);
-  });
-  auto pending = held.get_future();
-  ASSERT_EQ(pending.wait_for(20s), std::future_status::ready);
-  Message question = pending.get();
+  auto [call, question] = held_call(*callee, kEcho);
+  ASSERT_FALSE(HasFailure());
   RawPeer attacker = raw_client();
   attacker.send_frame(frame(good_->id(), id_, id_, kHandleDelRoute, 0, kEncMitogen),
                       std::to_string(callee->id()));
@@ -193,7 +186,7 @@ TEST_F(HardeningControlRouter, ADelRouteFromAnotherClientCannotFailACallToAThird
     FAIL() << "a DEL_ROUTE forwarded from client " << id_ << " failed client " << good_->id()
            << "'s call to client " << callee->id() << ": " << what;
   }
-  cr.reply(question, Payload::copy_of("real answer"));
+  callee->router().reply(question, Payload::copy_of("real answer"));
   EXPECT_EQ(call.get(), "real answer");
   expect_served("a forwarded DEL_ROUTE");
 }
