@@ -62,8 +62,9 @@ class Connection {
   // Connects to `socket` ("@name" for an abstract address; empty for the
   // per-user default) and, if opts.name is set, registers that name. A
   // named client is there to be found: messages for handlers it has not
-  // registered yet wait (up to its high-water mark) until serve() or
-  // ready(), instead of being refused as "invalid handle".
+  // registered yet wait (up to its high-water mark, each fd they carry
+  // counted as 8 KiB) until serve() or ready(), instead of being refused as
+  // "invalid handle".
   // Throws Error: cannot connect, not a router of ours, refused (with the
   // router's reason), timed out, or the name is invalid or taken.
   static Connection open(const std::string& socket = {}, ConnectOptions opts = {});

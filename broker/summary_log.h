@@ -19,8 +19,10 @@ namespace spindle {
 
 class SummaryLog {
  public:
-  // Counts one event; when the last line is a second old, logs at info
-  // level the line make_line() returns, with how many events it stands for.
+  explicit SummaryLog(spdlog::level::level_enum level = spdlog::level::info) : level_(level) {}
+
+  // Counts one event; when the last line is a second old, logs the line
+  // make_line() returns, with how many events it stands for.
   template <class MakeLine>
   void note(MakeLine&& make_line) {
     count_.fetch_add(1, std::memory_order_relaxed);
@@ -32,12 +34,13 @@ class SummaryLog {
     if (!logged_ns_.compare_exchange_strong(last, now, std::memory_order_relaxed)) return;
     const std::uint64_t n = count_.exchange(0, std::memory_order_relaxed);
     const std::string line = make_line();
-    if (n > 1) log().info("{} (1 of {} such in the last second)", line, n);
-    else log().info("{}", line);
+    if (n > 1) log().log(level_, "{} (1 of {} such in the last second)", line, n);
+    else log().log(level_, "{}", line);
   }
 
  private:
   static constexpr std::int64_t kIntervalNs = 1'000'000'000;
+  const spdlog::level::level_enum level_;
   std::atomic<std::uint64_t> count_{0};
   std::atomic<std::int64_t> logged_ns_{0};
 };

@@ -16,6 +16,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "router/control.h"
 #include "router/reasons.h"
 
@@ -186,14 +187,25 @@ RouterStats Router::stats() {
   return f.get();
 }
 
-// Holds `m` unless that would exceed the budget (high_water_mark bytes).
+// Holds `m` unless that would exceed the budget (high_water_mark bytes). A
+// message is charged at what it keeps: its bytes, and each fd it carries
+// (a memfd body too) at fd_charge(), as on a send queue; counted by bytes
+// alone, a peer could make a client that is not ready hold 300,000 fds. Its
+// bytes are copied out of the receive chunk, which a message of a few bytes
+// would otherwise keep whole (128 KiB).
 bool Router::hold(Message& m) {
-  std::size_t size = kHeaderSize + m.data.size();
+  const std::size_t size =
+      kHeaderSize + m.data.size() + fd_charge(m.fds.size() + (m.sealed_body ? 1 : 0));
   if (held_bytes_ + size > opts_.high_water_mark) {
-    log().warn("held-message budget of {} bytes exhausted; handle {} is answered now",
-               opts_.high_water_mark, m.header.handle);
+    // A peer can send these as fast as it writes: summed up.
+    static SummaryLog over_budget(spdlog::level::warn);
+    over_budget.note([&] {
+      return fmt::format("held-message budget of {} bytes exhausted; handle {} is answered now",
+                         opts_.high_water_mark, m.header.handle);
+    });
     return false;
   }
+  m.data = m.data.owned_copy();
   held_bytes_ += size;
   held_handles_.insert(m.header.handle);
   held_unknown_.push_back(std::move(m));

@@ -192,7 +192,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   void skip_ids_for_testing(std::uint32_t next);
   RouterStats stats();
   // While held, a message for a handle nobody registered yet waits (up to
-  // high_water_mark bytes in all) instead of getting "invalid handle": a
+  // high_water_mark bytes in all, each fd it carries counted as
+  // fd_charge(1) bytes) instead of getting "invalid handle": a
   // starting child holds until its main has registered its handlers.
   // Releasing dispatches what waited, in order, before it returns.
   void hold_unknown_handles(bool hold);

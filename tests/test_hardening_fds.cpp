@@ -13,10 +13,12 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "router/connect.h"
 #include "stream/fd_frame.h"
 #include "tests/fds_test_util.h"
 #include "tests/hardening_fixture.h"
@@ -48,10 +50,12 @@ std::vector<int> raw_of(const std::vector<UniqueFd>& v, std::size_t n) {
   return out;
 }
 
-// A complete SF frame from `src` to the router's handle 4000 (which does not
-// exist) carrying one fd; its dead reply goes to `reply_to`.
-std::vector<std::uint8_t> one_fd_frame(std::uint32_t src, std::uint32_t reply_to) {
-  Header h = frame(0, src, src, 4000, reply_to, kEncFds);
+// A complete SF frame from `src` to `dst`'s handle `handle` (by default the
+// router's 4000, which does not exist) carrying one fd; its dead reply goes
+// to `reply_to`.
+std::vector<std::uint8_t> one_fd_frame(std::uint32_t src, std::uint32_t reply_to, std::uint32_t dst = 0,
+                                       std::uint32_t handle = 4000) {
+  Header h = frame(dst, src, src, handle, reply_to, kEncFds);
   h.length = kFdPrefixSize + 4;
   HeaderBytes hb = encode_header(h);
   auto prefix = encode_fd_prefix(FdPrefix{kEncRaw, 1, 0});
@@ -120,6 +124,39 @@ TEST_F(Hardening, TheFdsClientsMakeTheRouterHoldAreBoundedSharedAndLetGo) {
   EXPECT_TRUE(d.is_dead());
   EXPECT_FALSE(d.text().starts_with(fdreason::kFdBudgetSpent)) << d.text();
   expect_served("fds hoarded past the router's fd limit");
+}
+
+// A named client holds messages for handles it has not registered yet,
+// until it is ready (Connection::open). Each fd such a message carries
+// counts against that budget (its high-water mark) at kFdCharge bytes, as
+// on a send queue: a peer cannot make it hold more than 1,024 fds. Counted
+// by their bytes alone, it held all 3,000.
+TEST_F(Hardening, AClientNotReadyYetHoldsABoundedNumberOfFds) {
+  start();
+  const auto ends = pipe_ends(2);
+  ConnectOptions co;
+  co.name = "not-ready-yet";
+  Connection victim = Connection::open(socket(), co);
+  const std::size_t before = count_open_fds();
+  RawPeer a = raw_client(kFlagFdPassing);
+  constexpr int kSent = 3000;
+  constexpr std::uint32_t kUnserved = 5555;
+  int one = ends[0].get();
+  for (int i = 0; i < kSent; ++i)
+    ASSERT_TRUE(send_with_fds(a.fd, one_fd_frame(id_, 0, victim.id(), kUnserved), std::span<const int>(&one, 1)));
+  // Once the count has stood still for a second, all has been held or let go.
+  std::size_t held = 0, last = 0;
+  for (int still = 0, rounds = 0; still < 10 && rounds < 300; ++rounds) {
+    std::this_thread::sleep_for(100ms);
+    held = count_open_fds() - before;
+    still = held == last ? still + 1 : 0;
+    last = held;
+  }
+  EXPECT_LE(held, kDefaultHighWaterMark / kFdCharge + 16) << "fds held for a client that is not ready";
+  EXPECT_GE(held, kDefaultHighWaterMark / kFdCharge / 2) << "hardly any were held: this shows nothing";
+  victim.ready();  // what was held is answered now (invalid handle), its fds closed
+  EXPECT_TRUE(eventually([&] { return count_open_fds() <= before + 8; }, 20s)) << count_open_fds() - before;
+  expect_served("fds sent to a client that is not ready");
 }
 
 }  // namespace test_hardening_fds
