@@ -97,7 +97,10 @@ TEST(HardeningControl, AClientCannotDeleteItsOwnRouteAndKeepItsId) {
   Message req;
   ASSERT_TRUE(c.read_frame_for(cid, 4242, req, 20s));
   h.send_frame(frame(0, hid, hid, req.header.reply_to, 0), "answered by the hostile client");
-  std::this_thread::sleep_for(500ms);
+  // Its dead reply comes after the forged answer has been handled (in order).
+  h.send_frame(frame(0, hid, hid, 4999, 56), "");
+  Message marker;
+  ASSERT_TRUE(h.read_frame_for(hid, 56, marker, 20s));
   c.send_frame(frame(0, cid, cid, req.header.reply_to, 0), "answered by the callee");
   ASSERT_EQ(fut.wait_for(20s), std::future_status::ready);
   EXPECT_EQ(fut.get().text(), "answered by the callee")
@@ -157,7 +160,15 @@ TEST(HardeningControl, ADelRouteThroughTheParentFromAnotherContextIsIgnored) {
   close_fd(sp.b);
 }
 
-class HardeningControlRouter : public Hardening {};
+class HardeningControlRouter : public Hardening {
+ protected:
+  // Returns once the router's log holds every line written before this
+  // call: a client connecting now is logged after them, in order.
+  void log_caught_up() {
+    RawPeer late = raw_client();
+    ASSERT_TRUE(logged(fmt::format("client ctx={} ", id_))) << "the router never logged a new client";
+  }
+};
 
 // A client that addresses DEL_ROUTE to another client: were it passed on,
 // that client would take it as its parent's word and fail its calls to the
@@ -210,7 +221,7 @@ TEST_F(HardeningControlRouter, RejectedOneWayServiceCallsAreLoggedInSummary) {
   Message dead;
   ASSERT_TRUE(h.read_frame_for(hid, 77, dead, 30s));
   EXPECT_TRUE(dead.is_dead());
-  std::this_thread::sleep_for(1s);  // the log writer catches up
+  log_caught_up();
   const auto lines = lines_with("not answered (no reply_to)");
   std::printf("%d one-way calls to an unknown service: %zu log lines\n", kFrames, lines.size());
   EXPECT_LT(lines.size(), 250u) << "one log line per rejected one-way call, at the caller's will; e.g.\n"
@@ -232,7 +243,7 @@ TEST_F(HardeningControlRouter, UndecodableOneWayFramesToAMitogenClientHoldTheSen
   burst.reserve(kFrames * (kHeaderSize + 1));
   for (int i = 0; i < kFrames; ++i) burst += frame_bytes(frame(mid, hid, hid, 4321, 0, kEncRaw), "x");
   const std::size_t written = send_up_to(h, burst, 3s);
-  std::this_thread::sleep_for(2s);  // what was read is handled
+  log_caught_up();  // the router stopped reading the sender: what it read is handled
   const long long peak = memory_peak();
   const std::string victim = client_line(mid), sender = client_line(hid);
   std::printf("wrote %zu of %zu bytes; memory_peak %lld\n%s\n%s\n", written, burst.size(), peak,
