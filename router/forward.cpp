@@ -15,6 +15,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "router/control.h"
 #include "router/reasons.h"
 #include "router/router.h"
@@ -475,7 +476,14 @@ void Router::dispatch_local(Message&& m) {
   } catch (...) {
     thrown = current_thrown_error();
   }
-  log().info("handler for handle {} threw {}: {}", head.handle, thrown.type, thrown.message);
+  // The text often quotes the message it choked on, and a peer can send
+  // such messages as fast as it writes (the sender gets each error in its
+  // reply): escaped, and summed up.
+  static SummaryLog threw;
+  threw.note([&] {
+    return fmt::format("handler for handle {} threw {} on a message from context {}: {:?}", head.handle,
+                       thrown.type, head.src_id, thrown.message);
+  });
   if (head.reply_to != 0 && !head.is_dead()) {
     Message req;
     req.header = head;

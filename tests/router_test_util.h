@@ -108,6 +108,14 @@ class CaptureSink final : public spdlog::sinks::base_sink<std::mutex> {
     });
     return found;
   }
+  // The lines captured so far that contain `needle`.
+  std::vector<std::string> lines_with(std::string_view needle) {
+    std::lock_guard lk(mu_);
+    std::vector<std::string> out;
+    for (const std::string& l : lines_)
+      if (l.find(needle) != std::string::npos) out.push_back(l);
+    return out;
+  }
 
  protected:
   void sink_it_(const spdlog::details::log_msg& msg) override {

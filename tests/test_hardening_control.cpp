@@ -15,6 +15,8 @@
 #include <chrono>
 #include <future>
 #include <limits>
+#include <span>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -158,6 +160,33 @@ TEST(HardeningControl, ADelRouteThroughTheParentFromAnotherContextIsIgnored) {
   broker.shutdown();
   broker.join();
   close_fd(sp.b);
+}
+
+// A handler that throws on what a peer sent: the sender is told in a reply,
+// and the log gets a summary, not a line per message (the exception's text,
+// which often quotes the input, escaped).
+TEST(HardeningControl, AHandlerThatThrowsOnEachMessageIsLoggedInSummary) {
+  ScopedLogCapture capture;
+  Broker broker;
+  Router router(broker, root_opts());
+  const std::uint32_t throws =
+      router.add_handler([](Message&& m) { throw std::runtime_error("cannot parse " + m.text()); });
+  std::promise<void> last;
+  const std::uint32_t marker = router.add_handler([&last](Message&&) { last.set_value(); });
+  constexpr int kMessages = 3000;
+  const std::string input = "x\nforged line";
+  for (int i = 0; i < kMessages; ++i)
+    router.send(router.id(), throws, std::span(reinterpret_cast<const std::uint8_t*>(input.data()), input.size()));
+  // Dispatched in order on the broker thread: the flood is handled first.
+  router.send(router.id(), marker, {});
+  ASSERT_EQ(last.get_future().wait_for(30s), std::future_status::ready);
+  const auto lines = capture.sink().lines_with("threw");
+  std::printf("%d messages to a throwing handler: %zu log lines\n", kMessages, lines.size());
+  ASSERT_FALSE(lines.empty()) << "the throwing handler was never logged";
+  EXPECT_LT(lines.size(), 20u) << "one log line per message a peer sends to a throwing handler; e.g.\n"
+                               << lines.front();
+  EXPECT_NE(lines.front().find(fmt::format("from context {}", router.id())), std::string::npos) << lines.front();
+  EXPECT_NE(lines.front().find("x\\nforged line"), std::string::npos) << "not escaped: " << lines.front();
 }
 
 class HardeningControlRouter : public Hardening {
