@@ -14,6 +14,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "stream/memfd.h"
 #include "stream/fd_control.h"
 #include "stream/fd_frame.h"
@@ -145,8 +146,13 @@ bool Stream::bind_fds(Message& m) {
                                   fdreason::kFdsLost, prefix->fd_count - have, prefix->fd_count,
                                   peer_.local_id, name());
     // This process ran out of fds: its own failure, an error whoever sent.
-    log().error("stream={} {}; message from context {} handle {} refused", name(), why,
-                m.header.src_id, m.header.handle);
+    // Summed up all the same: while it lasts, every frame with fds that any
+    // peer sends meets it.
+    static SummaryLog out_of_fds(spdlog::level::err);
+    out_of_fds.note([&] {
+      return fmt::format("stream={} {}; message from context {} handle {} refused", name(), why,
+                         m.header.src_id, m.header.handle);
+    });
     listener_->on_stream_refused(*this, std::move(m), StreamListener::Refused::kOnArrival, why);
     return false;
   }
