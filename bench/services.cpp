@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <utility>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -153,10 +154,14 @@ class FutexQueue : public Handoff {
     m.header.handle = static_cast<std::uint32_t>(v + 1);
     set_.push(lane_, m);
   }
+  // As a pool's worker loop does: each job's done() goes with the next take.
   int pop() override {
-    auto t = set_.take(Clock::time_point::max());
-    set_.done(lane_);
-    return static_cast<int>(t->msg.header.handle) - 1;
+    thread_local services::Lane* finished = nullptr;  // a worker's job before this one
+    auto t = set_.take(Clock::time_point::max(), std::exchange(finished, nullptr));
+    const int v = static_cast<int>(t->msg.header.handle) - 1;
+    if (v < 0) set_.done(*t->lane);  // the worker stops: nothing more to take
+    else finished = t->lane;
+    return v;
   }
 
  private:

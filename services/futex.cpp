@@ -5,6 +5,7 @@
 #include "services/futex.h"
 
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -27,6 +28,16 @@ bool WakeWord::wait(std::uint32_t expected, std::chrono::steady_clock::time_poin
     ts.tv_sec = static_cast<time_t>(s.count());
     ts.tv_nsec = static_cast<long>(duration_cast<nanoseconds>(left - s).count());
     tsp = &ts;
+  }
+  // A hand-off that comes within a few microseconds (a producer that posts
+  // in bursts, a reply already on its way) is taken without sleeping: the
+  // waker, seeing no kAsleep mark, makes no syscall either, and the thread
+  // keeps its CPU. Bounded, so an idle waiter burns next to nothing: a few
+  // pauses, then a few yields, which also let a waker on this CPU run.
+  for (int i = 0; i < kSpinPauses + kSpinYields; ++i) {
+    if (word_.load(std::memory_order_seq_cst) != expected) return true;
+    if (i < kSpinPauses) __builtin_ia32_pause();
+    else sched_yield();
   }
   // Announce the sleep; a value stored meanwhile ends the wait at once.
   std::uint32_t w = expected;

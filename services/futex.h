@@ -37,6 +37,10 @@ class WakeWord {
   // very exchange that stores its value whether anyone needs a FUTEX_WAKE,
   // and never reads the word's memory after the waiter may have left it.
   static constexpr std::uint32_t kAsleep = 1u << 31;
+  // wait() looks at the word this many times before it sleeps: after a
+  // pause each at first, then after a sched_yield each (libstdc++'s atomic
+  // wait spins 12 and 4; bench_services' wake table, docs/DESIGN.md).
+  static constexpr int kSpinPauses = 12, kSpinYields = 4;
   std::atomic<std::uint32_t> word_{0};
 };
 

@@ -157,18 +157,21 @@ LaneSet::Push LaneSet::push(Lane& lane, Message& m) {
   return Push::kQueued;
 }
 
-std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline) {
+std::optional<LaneSet::Taken> LaneSet::take(Clock::time_point deadline, Lane* finished) {
   Waiter self;
   {
-    std::lock_guard lk(mu_);
-    if (auto t = next_locked()) {
-      tl_running_in = this;
-      return t;
-    }
+    WakeList wake;
+    std::unique_lock lk(mu_);
+    if (finished) done_locked(*finished, wake);
+    std::optional<Taken> t = next_locked();
     // Draining with an empty ring: what is left belongs to serialized lanes
     // now running, and the thread running each takes its tail itself.
-    if (closed_ || (draining_ && ring_.empty())) return std::nullopt;
-    idle_.push_back(&self);
+    const bool none = !t && (closed_ || (draining_ && ring_.empty()));
+    if (t) tl_running_in = this;
+    else if (!none) idle_.push_back(&self);
+    lk.unlock();
+    wake_all(wake);
+    if (t || none) return t;
   }
   for (;;) {
     std::uint32_t v = self.word.load();
@@ -263,18 +266,22 @@ void LaneSet::done(Lane& lane) {
   WakeList wake;
   {
     std::lock_guard lk(mu_);
-    tl_running_in = nullptr;
-    --stats_.running;
-    if (lane.serialized()) {
-      lane.running_ = false;
-      enter_ring_locked(lane);
-      hand_out_locked(wake);
-    }
-    if (stats_.running == 0 || frozen_) quiet_cv_.notify_all();
-    // Draining and nothing left for anyone: let the idle threads go.
-    if (draining_ && ring_.empty()) release_idle_locked(wake);
+    done_locked(lane, wake);
   }
   wake_all(wake);
+}
+
+void LaneSet::done_locked(Lane& lane, WakeList& wake) {
+  tl_running_in = nullptr;
+  --stats_.running;
+  if (lane.serialized()) {
+    lane.running_ = false;
+    enter_ring_locked(lane);
+    hand_out_locked(wake);
+  }
+  if (frozen_) quiet_cv_.notify_all();  // freeze_for_fork is the only waiter
+  // Draining and nothing left for anyone: let the idle threads go.
+  if (draining_ && ring_.empty()) release_idle_locked(wake);
 }
 
 void LaneSet::begin_drain() {

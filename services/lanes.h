@@ -47,6 +47,7 @@
 #include <utility>
 #include <vector>
 
+#include "services/adaptive_mutex.h"
 #include "services/futex.h"
 #include "spindle/message.h"
 
@@ -139,7 +140,10 @@ class LaneSet {
   // With a loop set, a taker runs that broker's loop while it waits and no
   // other thread runs it (broker.h, leader/follower): a message the loop
   // hands it then needs no wake-up.
-  std::optional<Taken> take(Clock::time_point deadline);
+  // `finished`: the lane of the message this thread took last and has run,
+  // done() under the same lock as the take (a worker's loop: one lock per
+  // message where done() then take() cost two).
+  std::optional<Taken> take(Clock::time_point deadline, Lane* finished = nullptr);
   // The broker whose loop brings this set its messages (a pool's: it
   // outlives the pool's threads).
   void set_loop(Broker* loop) { loop_.store(loop, std::memory_order_seq_cst); }
@@ -184,6 +188,7 @@ class LaneSet {
   // Under mu_: takes the next message the fairness rule allows.
   std::optional<Taken> next_locked();
   // Under mu_: hands ready messages to idle threads, listing whom to wake.
+  void done_locked(Lane& lane, WakeList& wake);
   void hand_out_locked(WakeList& wake);
   void release_idle_locked(WakeList& wake);  // "nothing more" to every idle thread
   void wake_all(const WakeList& wake) const;
@@ -191,8 +196,8 @@ class LaneSet {
   // Makes every taker that runs `loop` let go of it; returns once none does.
   void stop_leading(Broker* loop);
 
-  mutable std::mutex mu_;
-  std::condition_variable quiet_cv_;  // freeze_for_fork waits for running_ == self
+  mutable AdaptiveMutex mu_;
+  std::condition_variable_any quiet_cv_;  // freeze_for_fork waits for running_ == self
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::deque<Lane*> ring_;
   std::vector<Waiter*> idle_;  // newest last

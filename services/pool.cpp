@@ -114,9 +114,11 @@ void Pool::work(std::size_t index) {
     std::string tname = fmt::format("{}-{}", opts_.name, index).substr(0, 15);
     pthread_setname_np(pthread_self(), tname.c_str());  // cosmetic: failure is harmless
   }
-  while (auto t = lanes_.take(LaneSet::Clock::time_point::max())) {
+  // Each message's done() goes with the next take: one lock per message.
+  Lane* finished = nullptr;
+  while (auto t = lanes_.take(LaneSet::Clock::time_point::max(), finished)) {
     run_one(*t);
-    lanes_.done(*t->lane);
+    finished = t->lane;
   }
   tl_pool = outer;
   worker_exited();

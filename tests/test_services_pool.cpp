@@ -226,6 +226,9 @@ TEST(ServicesPool, DeduplicatedCallsShareOneComputation) {
   EXPECT_EQ(computed.load(), 3);
 }
 
+// A message of `n` bytes for a lane.
+Message lane_msg(std::size_t n) { return Message::make(1, 2, Payload::copy_of(std::string(n, 'x'))); }
+
 // What a peer queues for a service or a receiver is bounded: past a lane's
 // maximum (messages or bytes) a push is refused, and the pool answers the
 // sender with "service queue full" (issue #11 §1).
@@ -236,24 +239,23 @@ TEST(ServicesLanes, ALaneRefusesPastItsMaximum) {
   o.max_messages = 3;
   o.max_bytes = 1000;
   services::Lane& lane = set.add_lane(o);
-  auto msg = [](std::size_t n) { return Message::make(1, 2, Payload::copy_of(std::string(n, 'x'))); };
   for (int i = 0; i < 3; ++i) {
-    Message m = msg(10);
+    Message m = lane_msg(10);
     EXPECT_EQ(set.push(lane, m), services::LaneSet::Push::kQueued);
   }
-  Message over = msg(10);
+  Message over = lane_msg(10);
   EXPECT_EQ(set.push(lane, over), services::LaneSet::Push::kFull);
   EXPECT_EQ(over.data.size(), 10u) << "a refused message is left to the caller";
   auto t = set.take(std::chrono::steady_clock::now() + 1s);
   ASSERT_TRUE(t);
   set.done(*t->lane);
-  Message again = msg(10);
+  Message again = lane_msg(10);
   EXPECT_EQ(set.push(lane, again), services::LaneSet::Push::kQueued);
   // The byte bound: 3 messages queued of 10 bytes; 990 more do not fit.
   while (auto u = set.take(std::chrono::steady_clock::now())) set.done(*u->lane);
-  Message big = msg(990);
+  Message big = lane_msg(990);
   EXPECT_EQ(set.push(lane, big), services::LaneSet::Push::kQueued);
-  Message more = msg(11);
+  Message more = lane_msg(11);
   EXPECT_EQ(set.push(lane, more), services::LaneSet::Push::kFull);
   EXPECT_EQ(set.stats().refused_full, 2u);
   set.close();
@@ -268,18 +270,42 @@ TEST(ServicesLanes, AnEmptyLaneTakesOneMessageLargerThanItsByteBound) {
   o.name = "small";
   o.max_bytes = 1000;
   services::Lane& lane = set.add_lane(o);
-  auto msg = [](std::size_t n) { return Message::make(1, 2, Payload::copy_of(std::string(n, 'x'))); };
-  Message huge = msg(5000);
+  Message huge = lane_msg(5000);
   EXPECT_EQ(set.push(lane, huge), services::LaneSet::Push::kQueued);
-  Message tiny = msg(1);
+  Message tiny = lane_msg(1);
   EXPECT_EQ(set.push(lane, tiny), services::LaneSet::Push::kFull)
       << "past its bound the lane takes nothing more until it drains";
   auto t = set.take(std::chrono::steady_clock::now() + 1s);
   ASSERT_TRUE(t);
   EXPECT_EQ(t->msg.data.size(), 5000u);
   set.done(*t->lane);
-  Message next = msg(5000);
+  Message next = lane_msg(5000);
   EXPECT_EQ(set.push(lane, next), services::LaneSet::Push::kQueued) << "empty again";
+  set.close();
+}
+
+// A worker's done() goes with its next take(): a serialized lane's next
+// message becomes runnable under that same lock, so the take finds it
+// at once instead of waiting (the lane is out of the ring while its message
+// runs), and the set counts the finished message as no longer running.
+TEST(ServicesLanes, TakeWithTheFinishedLaneIsDoneThenTake) {
+  services::LaneSet set;
+  services::LaneOptions o;
+  o.serialized = true;
+  services::Lane& lane = set.add_lane(o);
+  Message a = lane_msg(1), b = lane_msg(2);
+  ASSERT_EQ(set.push(lane, a), services::LaneSet::Push::kQueued);
+  ASSERT_EQ(set.push(lane, b), services::LaneSet::Push::kQueued);
+  auto first = set.take(std::chrono::steady_clock::now() + 1s);
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->msg.data.size(), 1u);
+  EXPECT_FALSE(set.take(std::chrono::steady_clock::now() + 20ms)) << "the serialized lane ran a second message";
+  auto second = set.take(std::chrono::steady_clock::now() + 1s, first->lane);
+  ASSERT_TRUE(second) << "take() did not finish the message it was given";
+  EXPECT_EQ(second->msg.data.size(), 2u);
+  EXPECT_EQ(set.stats().running, 1u);
+  EXPECT_FALSE(set.take(std::chrono::steady_clock::now() + 20ms, second->lane));
+  EXPECT_EQ(set.stats().running, 0u);
   set.close();
 }
 
