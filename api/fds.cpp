@@ -10,6 +10,7 @@
 #include <system_error>
 #include <utility>
 
+#include "broker/fd_closer.h"
 #include "broker/fd_registry.h"
 
 namespace spindle {
@@ -36,9 +37,15 @@ UniqueFd dup_fd(int fd) {
   return UniqueFd(d);
 }
 
+FdSet::Held::~Held() {
+  if (charge) fd_closer::close_received(std::move(fds), std::move(charge));
+}
+
 FdSet::FdSet(std::vector<UniqueFd> fds, std::shared_ptr<void> charge) {
   if (fds.empty() && !charge) return;
-  held_ = std::make_shared<Held>(Held{std::move(fds), std::move(charge)});
+  held_ = std::make_shared<Held>();
+  held_->fds = std::move(fds);
+  held_->charge = std::move(charge);
 }
 
 FdSet FdSet::dup_of(std::span<const int> fds) {

@@ -82,6 +82,10 @@ class FdSet {
   struct Held {
     std::vector<UniqueFd> fds;
     std::shared_ptr<void> charge;  // declared after fds: released after they close
+    // Charged fds came from a peer (or wait in a send queue): one whose
+    // close() may wait (a socket with SO_LINGER) is closed on a thread of
+    // its own, not on the thread that drops the message.
+    ~Held();
   };
   std::shared_ptr<Held> held_;
 };

@@ -61,6 +61,7 @@
 #include <asio/steady_timer.hpp>
 
 #include "broker/broker.h"
+#include "broker/fd_closer.h"
 #include "stream/account.h"
 #include "stream/handshake.h"
 #include "stream/output_gauge.h"
@@ -253,11 +254,29 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
 
  private:
   // A batch of fds from one recvmsg; the next SF frame parsed takes it.
+  // Fds it still holds when it goes (a frame that never came, a closed
+  // stream) close through fd_closer: a peer's socket must not make this
+  // thread wait in close().
   struct FdBatch {
     std::vector<UniqueFd> fds;
     bool truncated = false;  // MSG_CTRUNC: the kernel dropped some or all
     bool refused = false;    // not taken: the fd budget was spent
     std::shared_ptr<void> charge;  // on the fd budget; shared by the frames' FdSets
+
+    FdBatch() = default;
+    FdBatch(FdBatch&&) = default;
+    FdBatch& operator=(FdBatch&& o) noexcept {
+      if (this != &o) {
+        release();
+        fds = std::move(o.fds);
+        truncated = o.truncated;
+        refused = o.refused;
+        charge = std::move(o.charge);
+      }
+      return *this;
+    }
+    ~FdBatch() { release(); }
+    void release() noexcept { fd_closer::close_received(std::move(fds), std::move(charge)); }
   };
   // A message waiting for the handshake: how it is framed depends on the peer.
   struct HeldMessage {

@@ -125,7 +125,9 @@ TEST(HardeningControl, ADelRouteThroughTheParentFromAnotherContextIsIgnored) {
   child.attach_parent(sp.a, sp.a);
   std::vector<std::uint8_t> hello(kHelloSize);
   ASSERT_TRUE(read_exact(sp.b, hello.data(), hello.size()));
-  if (hello[7] & kFlagMaxMessageSize) ASSERT_TRUE(read_exact(sp.b, hello.data(), kHelloLimitSize));
+  if (hello[7] & kFlagMaxMessageSize) {
+    ASSERT_TRUE(read_exact(sp.b, hello.data(), kHelloLimitSize));
+  }
   FrameReader up(sp.b);
   auto send = [&](Header h, const std::string& body) {
     ASSERT_TRUE(write_all(sp.b, frame_bytes(h, reinterpret_cast<const std::uint8_t*>(body.data()), body.size())));

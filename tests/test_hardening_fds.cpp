@@ -8,8 +8,12 @@
 // 253 fds with the first byte of a frame on each (and nothing more) made the
 // router hold them for good: enough connections filled its fd table.
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <span>
@@ -72,6 +76,68 @@ RawPeer hoard(const std::vector<UniqueFd>& ends, const std::function<RawPeer()>&
   const std::uint8_t first = one_fd_frame(0, 0)[0];
   EXPECT_TRUE(send_with_fds(p.fd, std::span<const std::uint8_t>(&first, 1), raw_of(ends, 200)));
   return p;
+}
+
+// A TCP socket whose last close() waits up to `seconds`: connected over
+// loopback to an end that never reads, its send buffer full, SO_LINGER on.
+// `keep` holds the listener and the accepted end, which must stay open.
+UniqueFd lingering_socket(int seconds, std::vector<UniqueFd>& keep) {
+  UniqueFd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_TRUE(listener) << std::strerror(errno);
+  int small = 4096;
+  EXPECT_EQ(::setsockopt(listener.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small), 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  EXPECT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
+  EXPECT_EQ(::listen(listener.get(), 1), 0);
+  EXPECT_EQ(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  UniqueFd sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_EQ(::setsockopt(sock.get(), SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
+  EXPECT_EQ(::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
+  UniqueFd accepted(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  EXPECT_TRUE(accepted) << std::strerror(errno);
+  ::fcntl(sock.get(), F_SETFL, ::fcntl(sock.get(), F_GETFL) | O_NONBLOCK);
+  const std::string chunk(4096, 'x');
+  std::size_t queued = 0;
+  for (;;) {
+    ssize_t n = ::send(sock.get(), chunk.data(), chunk.size(), MSG_NOSIGNAL);
+    if (n <= 0) break;
+    queued += static_cast<std::size_t>(n);
+  }
+  EXPECT_GT(queued, 0u);
+  linger l{1, seconds};
+  EXPECT_EQ(::setsockopt(sock.get(), SOL_SOCKET, SO_LINGER, &l, sizeof l), 0);
+  keep.push_back(std::move(listener));
+  keep.push_back(std::move(accepted));
+  return sock;
+}
+
+// A socket whose close() waits, passed to the router and left with it: the
+// router drops the message (a handle nobody serves), and with it the last
+// reference. That close must not be made on its broker thread, which the
+// linger would stop for its whole length (an audit measured 31 s).
+TEST_F(Hardening, ASocketWhoseCloseWaitsDoesNotStopTheRouter) {
+  start();
+  std::vector<UniqueFd> keep;
+  constexpr int kLingerSeconds = 30;
+  UniqueFd sock = lingering_socket(kLingerSeconds, keep);
+  RawPeer a = raw_client(kFlagFdPassing);
+  const std::uint32_t aid = id_;
+  const int fd = sock.get();
+  ASSERT_TRUE(send_with_fds(a.fd, one_fd_frame(aid, 0), std::span<const int>(&fd, 1)));
+  sock.reset();  // the copy in flight holds the socket: the router's close is the last
+  // The same client then asks for an answer, in order after the first.
+  const auto t0 = std::chrono::steady_clock::now();
+  a.send_frame(frame(0, aid, aid, 4000, 71), "x");
+  Message d;
+  ASSERT_TRUE(a.read_frame_for(aid, 71, d, 10s)) << "the router stopped, closing the passed socket";
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("answered after %.3f s (the socket lingers %d s)\n", waited, kLingerSeconds);
+  EXPECT_TRUE(d.is_dead());
+  EXPECT_TRUE(logged("received socket(s) with SO_LINGER closed on the closing thread")) << router_->log();
+  expect_served("a passed socket whose close waits");
 }
 
 TEST_F(Hardening, TheFdsClientsMakeTheRouterHoldAreBoundedSharedAndLetGo) {
