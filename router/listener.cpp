@@ -34,6 +34,7 @@
 #include "broker/errors.h"
 #include "broker/fd_registry.h"
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "stream/listener_handshake.h"
 
 namespace spindle {
@@ -301,8 +302,13 @@ void Listener::admit(int fd) {
   if (std::find(opts_.allowed_uids.begin(), opts_.allowed_uids.end(), cr.uid) ==
       opts_.allowed_uids.end()) {
     ++stats_.refused_uid;
-    log().warn("listener: refused client pid={} uid={}: only uid {} may connect", cr.pid, cr.uid,
-               fmt::join(opts_.allowed_uids, ","));
+    // Any local user can connect to an abstract address as often as it
+    // likes: summed up, as every line a peer causes at will.
+    static SummaryLog refused_uid(spdlog::level::warn);
+    refused_uid.note([&] {
+      return fmt::format("listener: refused client pid={} uid={}: only uid {} may connect", cr.pid, cr.uid,
+                         fmt::join(opts_.allowed_uids, ","));
+    });
     ::close(fd);
     return;
   }
@@ -310,8 +316,11 @@ void Listener::admit(int fd) {
   const bool full = opts_.max_clients != 0 && n >= opts_.max_clients;
   if (full) {
     ++stats_.refused_full;
-    log().warn("listener: refused client pid={} uid={}: {} clients connected (max-clients {})",
-               cr.pid, cr.uid, n, opts_.max_clients);
+    static SummaryLog refused_full(spdlog::level::warn);
+    refused_full.note([&] {
+      return fmt::format("listener: refused client pid={} uid={}: {} clients connected (max-clients {})",
+                         cr.pid, cr.uid, n, opts_.max_clients);
+    });
     if (n >= opts_.max_clients + kRefusalSlots) {
       ::close(fd);
       return;

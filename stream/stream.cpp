@@ -41,6 +41,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "stream/fd_control.h"
 
 namespace spindle {
@@ -432,7 +433,9 @@ bool Stream::run_handshake() {
 }
 
 bool Stream::fail_handshake(const std::string& error) {
-  log().warn("stream={} handshake failed: {}", name(), error);
+  // A client can fail handshakes as fast as it connects: summed up.
+  static SummaryLog failed(spdlog::level::warn);
+  failed.note([&] { return fmt::format("stream={} handshake failed: {}", name(), error); });
   rx_fds_.clear();
   close_reason_ = "handshake failed: " + error;
   close_after_flush_ = true;
