@@ -195,7 +195,7 @@ TEST(BrokerLead, AThreadWhoseAnswersComeJustAfterTheWindowReadsThemWhilePolling)
   o.wait_spin = 10ms;
   Broker broker(o);
   testutil::settle(broker);
-  static constexpr int kWaits = 10, kRuns = 3;
+  static constexpr int kWaits = 10, kRuns = 6;
   // One run: kWaits waits on a thread of its own (no history of other
   // tests' waits); returns how many a poll answered.
   auto run = [&broker] {
