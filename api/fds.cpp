@@ -38,7 +38,7 @@ UniqueFd dup_fd(int fd) {
 }
 
 FdSet::Held::~Held() {
-  if (charge) fd_closer::close_received(std::move(fds), std::move(charge));
+  fd_closer::close_received(std::move(fds), std::move(charge));
 }
 
 FdSet::FdSet(std::vector<UniqueFd> fds, std::shared_ptr<void> charge) {

@@ -27,7 +27,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <utility>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -40,6 +39,7 @@
 #include <semaphore>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>

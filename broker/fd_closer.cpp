@@ -79,7 +79,16 @@ Closer& closer() {
   while (!c || c->pid() != me) {
     auto* fresh = new Closer(me);
     if (g_closer.compare_exchange_strong(c, fresh, std::memory_order_acq_rel)) {
-      fresh->start();
+      try {
+        fresh->start();
+      } catch (...) {
+        // No thread: nothing may queue there. The next caller tries again;
+        // this one closes its fds itself (close_received). Leaked, as
+        // another thread may be adding to it right now.
+        Closer* expect = fresh;
+        g_closer.compare_exchange_strong(expect, nullptr, std::memory_order_acq_rel);
+        throw;
+      }
       return *fresh;
     }
     delete fresh;  // another thread installed one: c holds it now
@@ -87,14 +96,16 @@ Closer& closer() {
   return *c;
 }
 
-}  // namespace
-
+// Whether close() of `fd` may wait: a socket with SO_LINGER on and a
+// non-zero linger time.
 bool close_may_wait(int fd) {
   linger l{};
   socklen_t n = sizeof l;
   // ENOTSOCK for anything but a socket: not ours to wait on.
   return ::getsockopt(fd, SOL_SOCKET, SO_LINGER, &l, &n) == 0 && l.l_onoff != 0 && l.l_linger > 0;
 }
+
+}  // namespace
 
 void close_received(std::vector<UniqueFd> fds, std::shared_ptr<void> charge) noexcept {
   if (fds.empty() || !charge) return;  // an uncharged set is our own: it closes where it goes

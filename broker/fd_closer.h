@@ -29,10 +29,6 @@
 
 namespace spindle::fd_closer {
 
-// Whether close() of `fd` may wait: a socket with SO_LINGER on and a
-// non-zero linger time.
-bool close_may_wait(int fd);
-
 // Closes `fds`: those whose close may wait on the closing thread (then
 // releases `charge`), the others here and now (`charge` released when the
 // last of them is closed, wherever that is).

@@ -187,8 +187,9 @@ class LaneSet {
   using WakeList = std::vector<std::pair<Waiter*, std::uint32_t>>;
   // Under mu_: takes the next message the fairness rule allows.
   std::optional<Taken> next_locked();
-  // Under mu_: hands ready messages to idle threads, listing whom to wake.
+  // Under mu_: done() for `lane`, listing whom to wake.
   void done_locked(Lane& lane, WakeList& wake);
+  // Under mu_: hands ready messages to idle threads, listing whom to wake.
   void hand_out_locked(WakeList& wake);
   void release_idle_locked(WakeList& wake);  // "nothing more" to every idle thread
   void wake_all(const WakeList& wake) const;

@@ -129,7 +129,7 @@ bool Stream::bind_fds(Message& m) {
   if (have < prefix->fd_count && refused) {
     // Not taken, on purpose (read_once): the peer is told, and this process
     // is not short of fds, so it logs nothing of its own.
-    fds.clear();
+    fd_closer::close_received(std::move(fds), charge);
     std::string why = fmt::format("{}: this process holds {} fds for its peers (limit {}), {} of them "
                                   "for this one; the {} sent with this message were not taken",
                                   fdreason::kFdBudgetSpent, opts_.fd_budget->held(),
@@ -141,7 +141,7 @@ bool Stream::bind_fds(Message& m) {
     // The bytes are intact, only this frame's fds are lost (MSG_CTRUNC: the
     // kernel dropped the tail of its batch): refuse the message, keep the
     // connection (docs/PROTOCOL.md §13.4).
-    fds.clear();  // give the slots back before anything else needs one
+    fd_closer::close_received(std::move(fds), charge);  // the slots back before anything needs one
     std::string why = fmt::format("{}: {} of {} fds lost (MSG_CTRUNC) at context {} on stream {}",
                                   fdreason::kFdsLost, prefix->fd_count - have, prefix->fd_count,
                                   peer_.local_id, name());
