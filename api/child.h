@@ -57,9 +57,11 @@ struct Pool {
 enum class Allow {
   kParent,  // this context's parent (and this context itself)
   kAnyone,  // every context that can reach this one
-  // The parent and every context above it: whatever reaches this context
-  // through its parent link (a hop's own parent is the context that started
-  // it, but the root above may ask it to start the next hop).
+  // The parent and every context above it, up to the root (a hop's own
+  // parent is the context that started it, but the root above may ask it to
+  // start the next hop). Not a sibling: another child of the parent, or
+  // another client of the router above, is refused, although its calls too
+  // come through the parent link.
   kUpstream,
 };
 

@@ -123,7 +123,7 @@ int ChildEnv::serve_on(std::size_t threads) {
                     : f.allow == Allow::kUpstream
                         ? services::Access::when("parent and above",
                                                  [r = &router_](const services::Caller& c) {
-                                                   return c.auth_id == c.self_id || r->upstream(c.auth_id);
+                                                   return c.auth_id == c.self_id || r->is_ancestor(c.auth_id);
                                                  })
                         : services::Access::parents();
       svc->expose(f.method, std::move(access),

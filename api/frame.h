@@ -45,6 +45,9 @@ enum Handle : std::uint32_t {
   kHandleAllocateId = 105,   // request: empty; reply payload: ASCII "id"
   kHandleShutdown = 106,     // payload: empty
   kHandleCallService = 110,  // service calls (services/host.h, PROTOCOL.md §12)
+  // Spindle only, parent to child: ASCII ids "a,b,c", the sender's ancestors,
+  // nearest first (router/ancestors.cpp, PROTOCOL.md 6.7).
+  kHandleAncestors = 120,
   kHandleIsDead = 999,       // only ever in reply_to: "this is a dead message"
   kFirstDynamicHandle = 1000,
 };

@@ -51,6 +51,7 @@ void Router::client_opened(Link& l) {
   // check (refuse_undecodable), never straight from an application thread.
   if (l.dialect == Dialect::kMitogen) s.port()->gate.close();
   l.state.add(kRouteStateBytes);  // its own route: one per client, never refused
+  tell_ancestors(l);  // before anything else is routed to it
   add_route(p.remote_id, l);
   log().info("stream={} client ctx={} pid={} uid={} connected ({} dialect{})", s.name(),
              p.remote_id, l.client->pid, l.client->uid,

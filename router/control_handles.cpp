@@ -1,6 +1,7 @@
 // The control handles a router answers itself: ADD_ROUTE and DEL_ROUTE (what
 // a child says about the contexts behind it), SHUTDOWN (from the parent
 // only), FORWARD_LOG (log lines of children), and ALLOCATE_ID (the root).
+// ANCESTORS (from the parent only) is in ancestors.cpp.
 // Routes and SHUTDOWN are accepted only from the context at the other end of
 // the link (src_id is its id), never from another context through it; so
 // are log lines that come from the parent.
@@ -38,6 +39,7 @@ std::string_view control_name(std::uint32_t handle) {
     case kHandleAddRoute: return "ADD_ROUTE";
     case kHandleDelRoute: return "DEL_ROUTE";
     case kHandleForwardLog: return "FORWARD_LOG";
+    case kHandleAncestors: return "ANCESTORS";
     default: return "SHUTDOWN";
   }
 }
@@ -148,7 +150,8 @@ void Router::forward_log(Link& in, const Message& m) {
 
 bool Router::handle_control(Link& in, Message& m) {
   const std::uint32_t h = m.header.handle;
-  if (h != kHandleAddRoute && h != kHandleDelRoute && h != kHandleShutdown && h != kHandleForwardLog)
+  if (h != kHandleAddRoute && h != kHandleDelRoute && h != kHandleShutdown && h != kHandleForwardLog &&
+      h != kHandleAncestors)
     return false;
   // Each side of a link announces its own routes and asks its own child to
   // stop. The same handles addressed to us by any other context (a client,
@@ -171,6 +174,10 @@ bool Router::handle_control(Link& in, Message& m) {
   }
   if (h == kHandleForwardLog) {
     forward_log(in, m);
+    return true;
+  }
+  if (h == kHandleAncestors) {
+    take_ancestors(in, m);
     return true;
   }
   if (h == kHandleShutdown) {

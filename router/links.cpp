@@ -71,7 +71,8 @@ std::shared_ptr<Stream> Router::add_child_stream(int read_fd, int write_fd, std:
       id(), static_cast<std::uint32_t>(::getpid()), opts_.max_message_size,
       [child_id](const PeerInfo&) -> ServerHandshake::Assignment { return child_id; });
   auto s = Stream::create(broker_, read_fd, write_fd, so, std::move(hs), this);
-  register_link(s, StreamRole::kChild, child_id, so.name);
+  // Who is above it, before anything else can be routed to it (ancestors.cpp).
+  tell_ancestors(register_link(s, StreamRole::kChild, child_id, so.name));
   s->start();
   return s;
 }
@@ -159,11 +160,13 @@ void Router::on_stream_open(Stream& s) {
     parent_up_.store(true, std::memory_order_release);
     set_log_context(p.local_id, opts_.name);
     log().info("stream={} attached to parent ctx={} pid={}", s.name(), p.remote_id, p.pid);
-    // Announce the children that connected before the parent link opened.
+    // Announce the children that connected before the parent link opened,
+    // and tell them who is above them now.
     for (auto& [sp, link] : links_)
       if (link->role == StreamRole::kChild)
         for (std::uint32_t cid : link->behind)
           announce(kHandleAddRoute, fmt::format("{}:{}", cid, link->name), nullptr, {parent_});
+    tell_children_ancestors();
     if (!parent_ready_set_) {
       parent_ready_set_ = true;
       parent_ready_.set_value({});
@@ -236,14 +239,6 @@ void Router::announce(std::uint32_t handle, const std::string& payload, Link* sk
 
 void Router::set_close_explainer(Stream& s, std::function<std::string(const std::string&)> explain) {
   if (Link* l = link_of(s)) l->explain_close = std::move(explain);
-}
-
-bool Router::upstream(std::uint32_t id) {
-  if (id == this->id()) return false;
-  std::lock_guard lk(ports_mu_);
-  if (!parent_port_.port) return false;
-  auto it = ports_.find(id);
-  return it == ports_.end() || it->second.port == parent_port_.port;
 }
 
 void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsent unsent) {

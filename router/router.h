@@ -211,10 +211,12 @@ class Router : public StreamListener, public ShutdownParticipant {
   // ssh's exit status and last stderr line). It owns what it captures until
   // then. Ignored for a stream that is not a link (already closed).
   void set_close_explainer(Stream& s, std::function<std::string(const std::string&)> explain);
-  // Any thread: true if `id` is reached through the parent link (the parent
-  // or a context above or beside it), false for this context and those
-  // behind its children.
-  bool upstream(std::uint32_t id);
+  // Any thread: the contexts above this one, nearest first: the parent, its
+  // parent, ... the root. Empty for the root. The parent says who is above
+  // it (kHandleAncestors); a sibling or a context behind a child is never
+  // among them, though its frames too come through the parent link.
+  std::vector<std::uint32_t> ancestors() const;
+  bool is_ancestor(std::uint32_t id) const;
   // Broker thread: adopts an accepted client socket. `handshake` assigns its
   // id (a ListenerHandshake); the route is added when the handshake completes.
   // Once shutdown has begun it closes the fd instead and returns nullptr.
@@ -321,6 +323,10 @@ class Router : public StreamListener, public ShutdownParticipant {
   void dispatch_local(Message&& m);
   void complete_call(Message&& m);
   bool handle_control(Link& in, Message& m);  // control_handles.cpp
+  // ancestors.cpp: what the parent says is above it, and telling children.
+  void take_ancestors(Link& in, const Message& m);
+  void tell_ancestors(Link& child);
+  void tell_children_ancestors();
   void allocate_for(Message&& m);
   // Root: the next `count` ids, or fewer (at the end of the id space, or
   // where an id in use follows once it has wrapped round); nothing if no id
@@ -478,6 +484,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::unordered_map<std::uint32_t, PortRef> ports_;  // guarded by ports_mu_
   PortRef parent_port_;                               // guarded by ports_mu_
   std::optional<std::uint32_t> parent_id_;            // guarded by ports_mu_
+  std::vector<std::uint32_t> above_parent_;           // guarded by ports_mu_
 
   std::mutex disconnect_mu_;
   std::unordered_map<std::uint32_t, std::vector<std::function<void(const std::string&)>>>
