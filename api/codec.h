@@ -14,7 +14,8 @@
 //
 // Arguments travel as one msgpack array (one element per parameter), a
 // result as one value (nil for void). Bytes that are not what the receiving
-// side expects raise DecodeError; nothing is decoded before the whole input
+// side expects raise DecodeError (a tuple, pair or std::array of another
+// length too, at any depth: codec_shape.h); nothing is decoded before the whole input
 // has been checked to declare no more elements than it has bytes, so a
 // hostile 5-byte input cannot make the decoder allocate gigabytes.
 //
@@ -48,6 +49,7 @@
 
 #include <msgpack.hpp>
 
+#include <spindle/codec_shape.h>
 #include <spindle/errors.h>
 #include <spindle/fds.h>
 #include <spindle/payload.h>
@@ -59,7 +61,10 @@ using Packer = msgpack::packer<msgpack::sbuffer>;
 template <class T, class Enable = void>
 struct codec {
   static void encode(Packer& p, const T& v) { p.pack(v); }
-  static T decode(const msgpack::object& o) { return o.template as<T>(); }
+  static T decode(const msgpack::object& o) {
+    detail::check_shape<T>(o);  // tuples and arrays of the wrong length (codec_shape.h)
+    return o.template as<T>();
+  }
 };
 
 // The msgpack ext type of an fd argument: its index in the message's fd set.

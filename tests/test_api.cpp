@@ -410,4 +410,39 @@ TEST(ApiCodec, APaddedValueDecodesAsTheValueAfterItsPad) {
                spindle::CallError);
 }
 
+// Tuples, pairs and std::arrays of the wrong length are a DecodeError at any
+// depth. msgpack-c++ 4.1 alone reads a short array decoded as a tuple with a
+// std::wstring element from before its start: [[1]] as
+// (tuple<long, wstring>) read out of bounds. Without such an element it left
+// the missing values default, silently.
+TEST(ApiCodec, ATupleOrArrayOfTheWrongLengthIsADecodeErrorAtAnyDepth) {
+  using Wide = std::tuple<long, std::wstring>;
+  auto raw = [](std::string b) { return spindle::Payload::copy_of(b); };
+  const std::string one_in_one("\x91\x91\x01", 3);  // [[1]]
+  auto expect_length_error = [](auto&& decode) {
+    try {
+      decode();
+      ADD_FAILURE() << "decoded";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("expected an array of"), std::string::npos) << e.what();
+    }
+  };
+  expect_length_error([&] { spindle::detail::decode_args<Wide>(raw(one_in_one)); });
+  expect_length_error([&] { spindle::detail::decode_args<std::tuple<long, long>>(raw(one_in_one)); });
+  expect_length_error([&] { spindle::detail::decode_args<std::array<std::wstring, 2>>(raw(one_in_one)); });
+  // Nested: [[[1]]] as a vector of them, {1: [1]} as a map to them, and an
+  // optional one; a result too.
+  expect_length_error(
+      [&] { spindle::detail::decode_args<std::vector<Wide>>(raw(std::string("\x91\x91\x91\x01", 4))); });
+  expect_length_error([&] {
+    spindle::detail::decode_args<std::map<long, std::optional<Wide>>>(raw(std::string("\x91\x81\x01\x91\x01", 5)));
+  });
+  expect_length_error([&] { spindle::detail::decode_value<std::pair<long, Wide>>(raw(std::string("\x92\x01\x91\x01", 4))); });
+  // Too long is refused as well; the right length decodes.
+  expect_length_error([&] { spindle::detail::decode_args<std::tuple<long>>(raw(std::string("\x91\x92\x01\x02", 4))); });
+  auto ok = spindle::detail::encode_args<std::vector<Wide>>(std::vector<Wide>{{1, L"a"}, {2, L"bc"}});
+  auto [back] = spindle::detail::decode_args<std::vector<Wide>>(ok);
+  EXPECT_EQ(back, (std::vector<Wide>{{1, L"a"}, {2, L"bc"}}));
+}
+
 }  // namespace test_api
