@@ -27,6 +27,14 @@ namespace {
 
 void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler, int depth);
 
+// The keys a receiver accepts in a map: those whose hash a peer cannot make
+// collide at will (see unpack.cpp). An int beyond 64 bits would be pickled.
+bool is_scalar_key(py::handle k) {
+  PyObject* o = k.ptr();
+  return o == Py_None || PyBool_Check(o) || PyFloat_Check(o) || PyUnicode_Check(o) || PyBytes_Check(o) ||
+         (PyLong_Check(o) && _PyLong_NumBits(o) <= 63);
+}
+
 std::size_t bin_header_size(std::size_t n) { return n <= 0xff ? 2 : n <= 0xffff ? 3 : 5; }
 std::size_t array_header_size(std::size_t n) { return n <= 15 ? 1 : n <= 0xffff ? 3 : 5; }
 
@@ -228,6 +236,17 @@ void pack_into(Packer& p, PayloadBuilder& b, py::handle obj, py::handle pickler,
   }
   if (PyDict_Check(o)) {
     py::dict d = py::reinterpret_borrow<py::dict>(obj);
+    // A receiver takes only scalar keys (unpack.cpp): a dict keyed by
+    // tuples or other objects goes pickled, to the family only.
+    for (auto kv : d) {
+      if (is_scalar_key(kv.first)) continue;
+      if (pickler.is_none())
+        throw py::type_error("spindle: a dict with a key of type " +
+                             std::string(py::str(py::type::handle_of(kv.first).attr("__qualname__"))) +
+                             " cannot travel as msgpack (a map's keys are None, bool, int, float, str or "
+                             "bytes), and pickle is off for this call");
+      return pack_pickled(p, b, obj, pickler);
+    }
     p.pack_map(static_cast<std::uint32_t>(d.size()));
     for (auto kv : d) {
       pack_into(p, b, kv.first, pickler, depth + 1);

@@ -114,6 +114,36 @@ py::object unpack_sender(const msgpack::object_ext& ext) {
       .attr("_sender")(o.via.array.ptr[0].via.u64, o.via.array.ptr[1].via.u64);
 }
 
+// Map keys are scalars, as msgpack-python's strict_map_key (str and bytes)
+// allows and a little more. A tuple's hash is a fixed function of its items'
+// hashes, so a peer can send thousands of keys that all collide: each insert
+// then compares against every earlier one (an audit: a 607 KB map kept a
+// receiver busy 13 s, the GIL held). str and bytes hashes are keyed per
+// process; an int's or a float's is its value modulo 2^61-1, and the 64-bit
+// ints and the floats that share one are a few dozen at most.
+bool is_scalar_key(const msgpack::object& k) {
+  switch (k.type) {
+    case msgpack::type::NIL:
+    case msgpack::type::BOOLEAN:
+    case msgpack::type::POSITIVE_INTEGER:
+    case msgpack::type::NEGATIVE_INTEGER:
+    case msgpack::type::FLOAT32:
+    case msgpack::type::FLOAT64:
+    case msgpack::type::STR:
+    case msgpack::type::BIN: return true;
+    default: return false;
+  }
+}
+
+const char* type_name(const msgpack::object& o) {
+  switch (o.type) {
+    case msgpack::type::ARRAY: return "array";
+    case msgpack::type::MAP: return "map";
+    case msgpack::type::EXT: return "ext";
+    default: return "scalar";
+  }
+}
+
 py::object unpack_object(const Payload& src, const msgpack::object& o, py::handle unpickler, int depth) {
   if (depth > kMaxDepth) throw py::value_error("spindle: received value nested too deeply");
   switch (o.type) {
@@ -137,8 +167,11 @@ py::object unpack_object(const Payload& src, const msgpack::object& o, py::handl
     case msgpack::type::MAP: {
       py::dict d;
       for (std::uint32_t i = 0; i < o.via.map.size; ++i) {
-        py::object k = unpack_object(src, o.via.map.ptr[i].key, unpickler, depth + 1);
-        if (PyList_Check(k.ptr())) k = py::tuple(k);  // msgpack arrays as keys: hashable
+        const msgpack::object& key = o.via.map.ptr[i].key;
+        if (!is_scalar_key(key))
+          throw py::value_error(std::string("spindle: received a map key of msgpack type ") + type_name(key) +
+                                "; a map's keys are nil, bool, int, float, str or bin");
+        py::object k = unpack_object(src, key, unpickler, depth + 1);
         d[k] = unpack_object(src, o.via.map.ptr[i].val, unpickler, depth + 1);
       }
       return d;

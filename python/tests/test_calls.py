@@ -45,6 +45,23 @@ def test_msgpack_values_round_trip(child):
     assert child.call(pyfuncs.echo, (1, 2)) == [1, 2]  # msgpack has no tuples
 
 
+def test_a_map_with_other_keys_is_refused_and_a_dict_with_them_goes_pickled(child):
+    from spindle import _spindle
+    # A tuple's hash is a fixed function of its items: a peer could send
+    # thousands of colliding keys. A received map takes scalar keys only.
+    with pytest.raises(ValueError, match="map key of msgpack type array"):
+        _spindle.unpack(b"\x81\x92\x01\x02\xc0", None)  # {[1, 2]: nil}
+    with pytest.raises(ValueError, match="map key of msgpack type map"):
+        _spindle.unpack(b"\x81\x80\xc0", None)  # {{}: nil}
+    scalars = {None: 0, True: 1, 7: 2, -8: 3, 1.5: 4, "s": 5, b"b": 6}
+    assert _spindle.unpack(_spindle.pack(scalars, None), None) == scalars
+    # Such a dict still travels within the family: pickled whole.
+    keyed = {(1, 2): "a", "x": {(3,): "b"}}
+    assert child.call(pyfuncs.echo, keyed) == keyed
+    with pytest.raises(TypeError, match="a dict with a key of type tuple cannot travel as msgpack"):
+        _spindle.pack({(1, 2): "a"}, None)  # no pickler: a router connection
+
+
 def test_pickle_between_parent_and_child(child):
     p = child.call(pyfuncs.make_point, 2, 3)
     assert isinstance(p, pyfuncs.Point) and p == pyfuncs.Point(2, 3)
