@@ -1,10 +1,10 @@
-// One table, name -> id and id -> name, under a mutex. A registration adds
-// a disconnect watcher for its context (only if it is still routed: one
-// that left meanwhile would never fire it), which erases the entry (a name
-// can be taken again only once its holder has gone, so the check is by id).
+// One table, name -> id and id -> name, under a mutex that is held only to
+// look up, add, erase or copy (the broker thread takes it too). A
+// registration adds a disconnect watcher for its context (only if it is
+// still routed: one that left meanwhile would never fire it), which erases
+// the entry (a name can be taken again only once its holder has gone, so the
+// check is by id).
 #include "services/names.h"
-
-#include <fnmatch.h>
 
 #include <map>
 #include <mutex>
@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "broker/errors.h"
+#include "services/glob.h"
 #include "spindle/codec.h"
 
 namespace spindle::services {
@@ -78,11 +79,17 @@ std::unique_ptr<Service> make_names_service(Router& router) {
         auto [pattern] = detail::decode_args<std::string>(r.args());
         if (pattern.empty() || pattern.size() > kMaxNameSize)
           throw Error(fmt::format("names.find: a pattern is 1 to {} bytes", kMaxNameSize));
-        std::vector<std::tuple<std::uint32_t, std::string>> found;
-        std::lock_guard lk(table->mu);
-        for (auto& [name, id] : table->by_name) {
+        // Matched on a copy: the broker thread takes the table's mutex when
+        // a named context leaves, and must never wait for a scan.
+        std::vector<std::tuple<std::uint32_t, std::string>> names, found;
+        {
+          std::lock_guard lk(table->mu);
+          names.reserve(table->by_name.size());
+          for (auto& [name, id] : table->by_name) names.emplace_back(id, name);
+        }
+        for (auto& entry : names) {
           if (found.size() == kMaxFound) break;
-          if (::fnmatch(pattern.c_str(), name.c_str(), 0) == 0) found.emplace_back(id, name);
+          if (glob_match(pattern, std::get<1>(entry))) found.push_back(std::move(entry));
         }
         return detail::encode_value(found);
       },

@@ -6,7 +6,7 @@
 //                         a second name, or a name another holds, is a
 //                         CallError. The name goes when its context does.
 //   names.find(pattern)   (msgpack, any caller)  [[id, name], ...] of the
-//                         names matching the glob `pattern` (fnmatch: * ? []),
+//                         names matching the glob `pattern` (* ? [], glob.h),
 //                         sorted by name, at most kMaxFound.
 // What a peer makes the router hold here is one bounded name per context.
 //
