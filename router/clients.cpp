@@ -52,11 +52,22 @@ void Router::client_opened(Link& l) {
   if (l.dialect == Dialect::kMitogen) s.port()->gate.close();
   l.state.add(kRouteStateBytes);  // its own route: one per client, never refused
   tell_ancestors(l);  // before anything else is routed to it
+  {
+    std::lock_guard lk(ports_mu_);
+    client_uids_[p.remote_id] = l.client->uid;
+  }
   add_route(p.remote_id, l);
   log().info("stream={} client ctx={} pid={} uid={} connected ({} dialect{})", s.name(),
              p.remote_id, l.client->pid, l.client->uid,
              p.dialect == Dialect::kMitogen ? "Mitogen" : "Spindle",
              l.client->trusted ? ", same uid" : "");
+}
+
+std::optional<std::uint32_t> Router::client_uid(std::uint32_t id) const {
+  std::lock_guard lk(ports_mu_);
+  auto it = client_uids_.find(id);
+  if (it == client_uids_.end()) return std::nullopt;
+  return it->second;
 }
 
 std::string Router::undecodable_why(const Link& out, const Header& h) const {

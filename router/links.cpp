@@ -287,6 +287,10 @@ void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsen
     log().info("stream={} lost the parent: {}", s.name(), why);
   } else if (link->client) {
     --clients_;
+    if (link->remote_id != 0) {
+      std::lock_guard lk(ports_mu_);
+      client_uids_.erase(link->remote_id);
+    }
     if (link->remote_id == 0)
       log().info("stream={} client pid={} uid={} dropped before its handshake completed: {}",
                  s.name(), link->client->pid, link->client->uid, why);

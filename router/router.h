@@ -228,6 +228,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::size_t client_count() const { return clients_.load(std::memory_order_relaxed); }
   // Any thread except the broker's after it stopped: a snapshot of the clients.
   std::vector<ClientStats> client_stats();
+  // Any thread, O(1): the uid of the connected client `id`; nullopt for any
+  // other context (an access check asks it on every call).
+  std::optional<std::uint32_t> client_uid(std::uint32_t id) const;
   // Any thread: both contexts are routed, through the same link (the context
   // `id` lives behind the link that reaches `via`, or is `via`'s own).
   bool routed_through(std::uint32_t id, std::uint32_t via);
@@ -485,6 +488,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   PortRef parent_port_;                               // guarded by ports_mu_
   std::optional<std::uint32_t> parent_id_;            // guarded by ports_mu_
   std::vector<std::uint32_t> above_parent_;           // guarded by ports_mu_
+  std::unordered_map<std::uint32_t, std::uint32_t> client_uids_;  // guarded by ports_mu_
 
   std::mutex disconnect_mu_;
   std::unordered_map<std::uint32_t, std::vector<std::function<void(const std::string&)>>>
