@@ -212,7 +212,12 @@ class Router(_Endpoint):
         child = Child(core_child, self._owner)
         self._children.append(weakref.ref(child))
         if python:  # runs this package: its pickles are ours
-            self._owner._trust.ids.add(child.id)
+            # ...while the Child owns the process: trust goes with it (the
+            # id is never given to another context, but the set must not
+            # grow with every child a long-lived router ever forked).
+            ids = self._owner._trust.ids
+            ids.add(child.id)
+            child._forget_trust = weakref.finalize(child, ids.discard, child.id)
         return child
 
     def fork(self, target=None, *, name=""):

@@ -238,9 +238,14 @@ class Child(Context):
         self._child = core_child
         _live.add(self)
 
+    _forget_trust = None  # set by Router._adopt for a Python child
+
     def stop(self):
         """Shuts the child down and returns its wait status (os.waitstatus_to_exitcode)."""
-        return self._child.stop()
+        status = self._child.stop()
+        if self._forget_trust is not None:
+            self._forget_trust()  # its pickles are no longer taken
+        return status
 
     def _abandon(self):
         self._child.abandon()

@@ -62,6 +62,22 @@ def test_a_map_with_other_keys_is_refused_and_a_dict_with_them_goes_pickled(chil
         _spindle.pack({(1, 2): "a"}, None)  # no pickler: a router connection
 
 
+def test_a_childs_pickles_are_trusted_while_the_child_is_owned(router):
+    trusted = router._owner._trust.ids
+    child = router.fork()
+    cid = child.id
+    assert cid in trusted
+    child.stop()
+    assert cid not in trusted
+    other = router.fork()
+    oid = other.id
+    assert oid in trusted
+    del other
+    import gc
+    gc.collect()
+    assert oid not in trusted and router.id in trusted
+
+
 def test_pickle_between_parent_and_child(child):
     p = child.call(pyfuncs.make_point, 2, 3)
     assert isinstance(p, pyfuncs.Point) and p == pyfuncs.Point(2, 3)
