@@ -99,6 +99,13 @@ std::optional<std::uint32_t> Router::parent_id() const {
   return parent_id_;
 }
 
+std::uint64_t Router::fair_share_key(std::uint32_t auth_id) const {
+  std::lock_guard lk(ports_mu_);
+  auto it = ports_.find(auth_id);
+  if (it == ports_.end() || (parent_port_.port && it->second.port == parent_port_.port)) return auth_id;
+  return (std::uint64_t{1} << 32) + it->second.serial;  // above every context id
+}
+
 std::uint32_t Router::add_handler(HandlerFn fn, HandlerOptions opts, std::uint32_t handle) {
   std::uint32_t h = 0;
   auto add = [&] { h = handlers_.add(std::move(fn), std::move(opts), handle); };

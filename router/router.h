@@ -228,6 +228,13 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::size_t client_count() const { return clients_.load(std::memory_order_relaxed); }
   // Any thread except the broker's after it stopped: a snapshot of the clients.
   std::vector<ClientStats> client_stats();
+  // Any thread: whose share a message from `auth_id` counts against where
+  // a queue divides its bounds among senders (services/lanes.h). The link
+  // it came by, when that is a child's or a client's: a peer may announce
+  // many contexts behind its link (ids it was allocated), and must not get
+  // a share for each. Otherwise (this context, or one above or beside it,
+  // through the parent) the context itself: the parent is not one sender.
+  std::uint64_t fair_share_key(std::uint32_t auth_id) const;
   // Any thread, O(1): the uid of the connected client `id`; nullopt for any
   // other context (an access check asks it on every call).
   std::optional<std::uint32_t> client_uid(std::uint32_t id) const;

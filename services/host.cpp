@@ -131,7 +131,8 @@ void ServiceHost::on_request(Message&& m) {
   if (svc->mode() == RunMode::kConcurrent)
     if (const Service::Exposed* ex = svc->find(d.envelope.method); ex && ex->on_receiver)
       return run(*svc, std::move(m));
-  pool_.submit(*lane, std::move(m));
+  const std::uint64_t sender = router_.fair_share_key(m.header.auth_id);
+  pool_.submit(*lane, std::move(m), sender);
 }
 
 void ServiceHost::run(Service& svc, Message&& m) {

@@ -48,7 +48,7 @@ Lane& LaneSet::add_lane(LaneOptions opts) {
   return *lanes_.back();
 }
 
-Lane::SenderLoad* Lane::load_of(std::uint32_t sender) {
+Lane::SenderLoad* Lane::load_of(std::uint64_t sender) {
   for (SenderLoad& l : senders_)
     if (l.id == sender) return &l;
   return nullptr;
@@ -63,14 +63,14 @@ bool Lane::within_share(const SenderLoad* load, std::size_t size) const {
   return load->messages < opts_.max_messages / n && load->bytes + size <= opts_.max_bytes / n;
 }
 
-void Lane::add_load(std::uint32_t sender, std::size_t size) {
+void Lane::add_load(std::uint64_t sender, std::size_t size) {
   SenderLoad* l = load_of(sender);
   if (!l) l = &senders_.emplace_back(SenderLoad{sender, 0, 0});
   ++l->messages;
   l->bytes += size;
 }
 
-void Lane::remove_load(std::uint32_t sender, std::size_t size) {
+void Lane::remove_load(std::uint64_t sender, std::size_t size) {
   SenderLoad* l = load_of(sender);
   if (!l) return;
   l->bytes -= std::min(l->bytes, size);
@@ -90,10 +90,11 @@ std::optional<LaneSet::Taken> LaneSet::next_locked() {
   Lane* lane = ring_.front();
   ring_.pop_front();
   lane->in_ring_ = false;
-  Taken t{lane, std::move(lane->queue_.front())};
+  const std::uint64_t sender = lane->queue_.front().sender;
+  Taken t{lane, std::move(lane->queue_.front().msg)};
   lane->queue_.pop_front();
   lane->queued_bytes_ -= std::min(lane->queued_bytes_, t.msg.data.size());
-  lane->remove_load(t.msg.header.auth_id, t.msg.data.size());
+  lane->remove_load(sender, t.msg.data.size());
   if (lane->serialized()) lane->running_ = true;
   enter_ring_locked(*lane);  // back at the tail, if it has more and may run
   ++stats_.running;
@@ -129,7 +130,7 @@ void LaneSet::hand_out_locked(WakeList& wake) {
   }
 }
 
-LaneSet::Push LaneSet::push(Lane& lane, Message& m) {
+LaneSet::Push LaneSet::push(Lane& lane, Message& m, std::uint64_t sender) {
   WakeList wake;
   {
     std::lock_guard lk(mu_);
@@ -141,13 +142,13 @@ LaneSet::Push LaneSet::push(Lane& lane, Message& m) {
     // would refuse every large call (a 256 MiB array) however idle the lane.
     const bool over_bytes = !lane.queue_.empty() && lane.queued_bytes_ + size > lane.opts_.max_bytes;
     const bool over = lane.queue_.size() >= lane.opts_.max_messages || over_bytes;
-    if (over && !lane.within_share(lane.load_of(m.header.auth_id), size)) {
+    if (over && !lane.within_share(lane.load_of(sender), size)) {
       ++stats_.refused_full;
       return Push::kFull;
     }
     lane.queued_bytes_ += size;
-    lane.add_load(m.header.auth_id, size);
-    lane.queue_.push_back(std::move(m));
+    lane.add_load(sender, size);
+    lane.queue_.push_back(Lane::Queued{std::move(m), sender});
     ++stats_.pushed;
     ++stats_.queued;
     enter_ring_locked(lane);
@@ -302,8 +303,9 @@ std::vector<Message> LaneSet::retire(Lane& lane) {
   lane.retired_ = true;
   if (lane.in_ring_) ring_.erase(std::find(ring_.begin(), ring_.end(), &lane));
   lane.in_ring_ = false;
-  std::vector<Message> left(std::make_move_iterator(lane.queue_.begin()),
-                            std::make_move_iterator(lane.queue_.end()));
+  std::vector<Message> left;
+  left.reserve(lane.queue_.size());
+  for (Lane::Queued& q : lane.queue_) left.push_back(std::move(q.msg));
   stats_.queued -= left.size();
   lane.queue_.clear();
   lane.queued_bytes_ = 0;
@@ -318,7 +320,7 @@ std::vector<LaneSet::Taken> LaneSet::close() {
     std::lock_guard lk(mu_);
     draining_ = closed_ = true;
     for (auto& l : lanes_) {
-      for (Message& m : l->queue_) left.push_back(Taken{l.get(), std::move(m)});
+      for (Lane::Queued& q : l->queue_) left.push_back(Taken{l.get(), std::move(q.msg)});
       l->queue_.clear();
       l->queued_bytes_ = 0;
       l->senders_.clear();

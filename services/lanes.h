@@ -13,9 +13,10 @@
 //    the tail if it has more. So a message waits behind at most one message
 //    of every other lane with work, however deep those lanes are.
 //  - Bounds rule: a lane holds up to its bounds (LaneOptions); past them, a
-//    sender (the auth_id of the message) still queued only while it holds
-//    less than its share of them: the bounds divided among the senders with
-//    work queued there. So one peer that fills a shared lane (a router's
+//    sender still queued only while it holds less than its share of them:
+//    the bounds divided among the senders with work queued there. Who the
+//    sender is, the pusher says (by default the message's auth_id; a
+//    ServiceHost says the link it came by: Router::fair_share_key). So one peer that fills a shared lane (a router's
 //    ping service) shuts the others out for no longer than it took to fill
 //    it; they get their share, it gets refusals. A lane holds at most about
 //    twice its bounds, as a router holds about twice its global memory limit.
@@ -88,16 +89,20 @@ class Lane {
   // queued at once: searched in place, and the vector keeps its capacity, so
   // steady traffic allocates nothing.
   struct SenderLoad {
-    std::uint32_t id;
+    std::uint64_t id;
     std::size_t messages;
     std::size_t bytes;
   };
-  SenderLoad* load_of(std::uint32_t sender);
+  SenderLoad* load_of(std::uint64_t sender);
   bool within_share(const SenderLoad* load, std::size_t size) const;
-  void add_load(std::uint32_t sender, std::size_t size);
-  void remove_load(std::uint32_t sender, std::size_t size);
+  void add_load(std::uint64_t sender, std::size_t size);
+  void remove_load(std::uint64_t sender, std::size_t size);
 
-  std::deque<Message> queue_;  // guarded by the set's mutex
+  struct Queued {
+    Message msg;
+    std::uint64_t sender;  // whom its load is charged to
+  };
+  std::deque<Queued> queue_;  // guarded by the set's mutex
   std::size_t queued_bytes_ = 0;  // payload bytes in queue_, likewise
   std::vector<SenderLoad> senders_;  // likewise
   bool in_ring_ = false;
@@ -133,8 +138,11 @@ class LaneSet {
   enum class Push { kQueued, kClosed, kFull };
   // Queues `m` on `lane`, handing it to an idle thread if the lane may run.
   // Leaves `m` untouched unless kQueued: kClosed once draining or closed,
-  // kFull when the lane holds its maximum (LaneOptions).
-  Push push(Lane& lane, Message& m);
+  // kFull when the lane holds its maximum (LaneOptions). `sender` is whose
+  // share it counts against (the bounds rule); the first form says the
+  // message's auth_id.
+  Push push(Lane& lane, Message& m) { return push(lane, m, m.header.auth_id); }
+  Push push(Lane& lane, Message& m, std::uint64_t sender);
   // Waits for a message until `deadline`. Empty on timeout, or when draining
   // with nothing left, or closed. Every message taken must be done() after.
   // With a loop set, a taker runs that broker's loop while it waits and no

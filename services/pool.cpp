@@ -73,8 +73,8 @@ Lane& Pool::add_lane(LaneOptions opts, Job run, Reject reject) {
   return lane;
 }
 
-void Pool::submit(Lane& lane, Message&& m) {
-  switch (lanes_.push(lane, m)) {
+void Pool::submit(Lane& lane, Message&& m, std::uint64_t sender) {
+  switch (lanes_.push(lane, m, sender)) {
     case LaneSet::Push::kQueued: return;
     case LaneSet::Push::kClosed:
       return static_cast<LaneJob*>(lane.owner)->reject(std::move(m), reason::kShuttingDown);
@@ -95,7 +95,11 @@ std::uint32_t Pool::add_handler(Router& router, HandlerFn fn, LaneOptions lane_o
       std::move(lane_opts), std::move(fn),
       [&router](Message&& m, std::string_view why) { send_dead_reply(router, m, why); });
   lanes_.set_loop(&router.broker());
-  std::uint32_t h = router.add_handler([this, &lane](Message&& m) { submit(lane, std::move(m)); },
+  std::uint32_t h = router.add_handler(
+      [this, &lane, &router](Message&& m) {
+        const std::uint64_t sender = router.fair_share_key(m.header.auth_id);
+        submit(lane, std::move(m), sender);
+      },
                                        std::move(opts), handle);
   if (h == 0) throw Error(fmt::format("pool {}: handle {} is already taken", opts_.name, handle));
   std::lock_guard lk(mu_);

@@ -66,7 +66,10 @@ class Pool : public ShutdownParticipant {
 
   Lane& add_lane(LaneOptions opts, Job run, Reject reject);
   // Queues `m` on the lane; once stopping, hands it to the lane's Reject.
-  void submit(Lane& lane, Message&& m);
+  // `sender` is whose share of the lane's bounds it counts against
+  // (LaneSet::push): Router::fair_share_key for what a router received.
+  void submit(Lane& lane, Message&& m) { submit(lane, std::move(m), m.header.auth_id); }
+  void submit(Lane& lane, Message&& m, std::uint64_t sender);
   // A router handle whose messages run on this pool (not on the broker
   // thread). After stop its requests get a dead "shutting down" reply.
   std::uint32_t add_handler(Router& router, HandlerFn fn, LaneOptions lane = {},

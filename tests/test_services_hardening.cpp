@@ -438,6 +438,35 @@ TEST(ServicesHardening, APeerThatFillsALaneLeavesTheOthersTheirShare) {
   }
 }
 
+// A peer's share is its link's, not each context it announces behind it:
+// ids are one ALLOCATE_ID each, and before, each announced id counted as
+// another sender, whose first call a full lane always took (and whose
+// share shrank everyone else's).
+TEST(ServicesHardening, ContextsAPeerAnnouncesShareItsLinksShare) {
+  HeldLane lane;
+  services::Pool& pool = lane.pool;
+  RawClient flooder(lane.rt);
+  ASSERT_EQ(lane.fill(flooder, 1).size(), 1u);
+  constexpr std::size_t kSybils = 4;
+  const std::vector<std::uint32_t> sybils = flooder.peer.allocate_and_announce(flooder.id, kSybils);
+  ASSERT_EQ(sybils.size(), kSybils);
+  std::string calls;
+  for (std::size_t i = 0; i < kSybils; ++i) {
+    Payload body = services::encode_call("slow", "wait", Payload());
+    calls += frame_bytes(frame(flooder.peer.server_id, sybils[i], sybils[i], kHandleCallService,
+                               kReplyBase + (1u << 19) + static_cast<std::uint32_t>(i)),
+                         body.to_string());
+  }
+  flooder.peer.write_all(calls);
+  Message m;
+  for (std::size_t i = 0; i < kSybils; ++i) {
+    ASSERT_TRUE(next_answer(flooder, m));
+    EXPECT_TRUE(m.is_dead() && m.text().starts_with(services::reason::kQueueFull)) << m.text();
+  }
+  EXPECT_EQ(pool.stats().refused_full, 1 + kSybils);
+  EXPECT_EQ(pool.stats().queued, services::kDefaultLaneMaxMessages);
+}
+
 // --- 5. the callers joining one deduplicated computation ------------------
 
 // Identical calls to a deduplicated service join the computation that is
