@@ -3,8 +3,15 @@
 // while that state is unanswered joins it (ReplyState::join) and returns at
 // once, its worker free again. The state forgets the key as it answers, so a
 // call arriving after the answer computes afresh: results are shared, never
-// cached.
+// cached. The key is a hash of the method, the arguments' size and their
+// first and last 4 KiB, and the arguments themselves are compared on a
+// match: the table never copies them (it copied all of them into its key,
+// twice, uncharged: 256 MiB held for a 128 MiB call).
 #include "services/service.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -15,6 +22,60 @@
 #include "services/reasons.h"
 
 namespace spindle::services {
+namespace {
+
+// `n` bytes of `p` from `offset` into `out`, across its slices.
+void copy_range(const Payload& p, std::size_t offset, std::size_t n, std::uint8_t* out) {
+  for (const Slice& s : p.slices()) {
+    if (n == 0) return;
+    if (offset >= s.size) {
+      offset -= s.size;
+      continue;
+    }
+    const std::size_t k = std::min(n, s.size - offset);
+    std::memcpy(out, s.data + offset, k);
+    out += k, n -= k, offset = 0;
+  }
+}
+
+std::uint64_t dedup_key(std::string_view method, const Payload& args) {
+  constexpr std::size_t kEdge = 4096;
+  std::array<std::uint8_t, 2 * kEdge> edges{};
+  const std::size_t head = std::min(kEdge, args.size());
+  const std::size_t tail = std::min(kEdge, args.size() - head);
+  copy_range(args, 0, head, edges.data());
+  copy_range(args, args.size() - tail, tail, edges.data() + head);
+  std::uint64_t h = std::hash<std::string_view>{}(method);
+  h ^= std::hash<std::string_view>{}(std::string_view(reinterpret_cast<const char*>(edges.data()), head + tail)) +
+       0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h ^ (args.size() * 0xff51afd7ed558ccdull);
+}
+
+// Whether two payloads hold the same bytes, however they are sliced.
+bool same_bytes(const Payload& a, const Payload& b) {
+  if (a.size() != b.size()) return false;
+  auto sa = a.slices(), sb = b.slices();
+  std::size_t ia = 0, ib = 0, oa = 0, ob = 0;
+  while (ia < sa.size() && ib < sb.size()) {
+    const std::size_t k = std::min(sa[ia].size - oa, sb[ib].size - ob);
+    if (std::memcmp(sa[ia].data + oa, sb[ib].data + ob, k) != 0) return false;
+    oa += k, ob += k;
+    if (oa == sa[ia].size) ++ia, oa = 0;
+    if (ob == sb[ib].size) ++ib, ob = 0;
+  }
+  return true;
+}
+
+// The arguments as the entry keeps them: sharing what was received; a copy
+// only of a transient view (a slice without an owner), which must not
+// outlive the call that made it.
+Payload shared_or_copied(const Payload& args) {
+  for (const Slice& s : args.slices())
+    if (!s.owner) return args.owned_copy();
+  return args;
+}
+
+}  // namespace
 
 Access Access::any() {
   return Access("any caller", [](const Caller&) { return true; });
@@ -66,23 +127,33 @@ std::size_t Service::dedup_pending() const {
 
 void Service::run(Request& req, const Exposed& m) {
   if (mode_ == RunMode::kDeduplicated) {
-    std::string key = req.method();
-    key.push_back('\0');
-    key += req.args().to_string();
+    const std::uint64_t key = dedup_key(req.method(), req.args());
     std::lock_guard lk(dedup_mu_);
-    auto it = dedup_.find(key);
-    if (it != dedup_.end()) {
-      if (auto st = it->second.lock(); st && st->join(req.message())) return;
+    auto [first, last] = dedup_.equal_range(key);
+    auto same = std::find_if(first, last, [&](const auto& e) {
+      return e.second.method == req.method() && same_bytes(e.second.args, req.args());
+    });
+    if (same != last) {
+      if (auto st = same->second.state.lock(); st && st->join(req.message())) return;
     }
     auto st = req.reply().state();
-    dedup_[key] = st;
+    if (same != last) {
+      same->second.state = st;  // the newer computation is the one to join
+    } else {
+      dedup_.emplace(key, Computation{req.method(), shared_or_copied(req.args()), st});
+    }
     std::weak_ptr<ReplyState> me = st;
     st->on_answered([this, key, me] {
       std::lock_guard lk2(dedup_mu_);
-      auto found = dedup_.find(key);
+      auto [b, e] = dedup_.equal_range(key);
       // Only our own entry: once answered, a newer call may have replaced it.
-      if (found != dedup_.end() && !found->second.owner_before(me) && !me.owner_before(found->second))
-        dedup_.erase(found);
+      for (auto it = b; it != e; ++it) {
+        const auto& w = it->second.state;
+        if (!w.owner_before(me) && !me.owner_before(w)) {
+          dedup_.erase(it);
+          return;
+        }
+      }
     });
   }
   const Reply& reply = req.reply();

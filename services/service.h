@@ -4,8 +4,8 @@
 // exposed with an Access policy, and nothing else is callable:
 //   Access::any()      every caller;
 //   Access::parents()  the caller's auth_id is this context or its parent
-//                      (the only ancestor a context knows: the handshake
-//                      names the parent, not the chain above it);
+//                      (Allow::kUpstream, api/child.h, admits the chain
+//                      above too);
 //   Access::when(...)  a predicate over the Caller.
 // A service runs its calls in one of three modes:
 //   kConcurrent   on as many workers as are free;
@@ -33,6 +33,7 @@
 #include <unordered_map>
 
 #include "services/reply.h"
+#include "spindle/payload.h"
 
 namespace spindle::services {
 
@@ -132,8 +133,16 @@ class Service {
   std::string name_;
   RunMode mode_;
   std::map<std::string, Exposed, std::less<>> methods_;
+  // Pending computations, by a hash of method and arguments. An entry holds
+  // the arguments as the request does (slices of what was received, no
+  // copy), to tell identical calls from a collision.
+  struct Computation {
+    std::string method;
+    Payload args;
+    std::weak_ptr<ReplyState> state;
+  };
   mutable std::mutex dedup_mu_;
-  std::unordered_map<std::string, std::weak_ptr<ReplyState>> dedup_;
+  std::unordered_multimap<std::uint64_t, Computation> dedup_;
 };
 
 }  // namespace spindle::services

@@ -226,6 +226,42 @@ TEST(ServicesPool, DeduplicatedCallsShareOneComputation) {
   EXPECT_EQ(computed.load(), 3);
 }
 
+// Large arguments: identical bytes join however they are sliced; bytes that
+// differ only in the middle (the same size, head and tail: the same hash)
+// compute apart. The table compares the arguments it shares with the
+// request instead of copying them into its key.
+TEST(ServicesPool, DeduplicationComparesLargeArgumentsWithoutCopyingThem) {
+  ServiceRig rig(4);
+  Gate gate;
+  std::atomic<int> computed{0};
+  auto s = std::make_unique<Service>("dedup", RunMode::kDeduplicated);
+  s->expose("slow", Access::any(), [&](Request& r) {
+    int n = ++computed;
+    gate.wait();
+    return Payload::copy_of(fmt::format("#{} of {} bytes", n, r.args().size()));
+  });
+  Service& svc = rig.add(std::move(s));
+  const std::string bytes(1 << 20, 'a');
+  std::string middle = bytes;
+  middle[bytes.size() / 2] = 'b';
+  Payload split;  // the same bytes as `bytes`, in three slices
+  split.append(Payload::copy_of(std::string_view(bytes).substr(0, 1000)).slices()[0]);
+  split.append(Payload::copy_of(std::string_view(bytes).substr(1000, 500000)).slices()[0]);
+  split.append(Payload::copy_of(std::string_view(bytes).substr(501000)).slices()[0]);
+  ASSERT_EQ(split.size(), bytes.size());
+  auto a = services::call_async(rig.self, "dedup", "slow", Payload::copy_of(bytes));
+  auto b = services::call_async(rig.self, "dedup", "slow", split);
+  auto c = services::call_async(rig.self, "dedup", "slow", Payload::copy_of(middle));
+  ASSERT_TRUE(eventually([&] { return rig.host.stats().answered == 3 && computed.load() == 2; }));
+  EXPECT_EQ(svc.dedup_pending(), 2u);
+  gate.open();
+  const std::string first = a.get().text();
+  EXPECT_EQ(b.get().text(), first);
+  EXPECT_NE(c.get().text(), first);
+  EXPECT_EQ(computed.load(), 2);
+  EXPECT_EQ(svc.dedup_pending(), 0u);
+}
+
 // A message of `n` bytes for a lane.
 Message lane_msg(std::size_t n) { return Message::make(1, 2, Payload::copy_of(std::string(n, 'x'))); }
 
