@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "router/reasons.h"
 #include "router/router.h"
 
@@ -57,10 +58,14 @@ void Router::client_opened(Link& l) {
     client_uids_[p.remote_id] = l.client->uid;
   }
   add_route(p.remote_id, l);
-  log().info("stream={} client ctx={} pid={} uid={} connected ({} dialect{})", s.name(),
-             p.remote_id, l.client->pid, l.client->uid,
-             p.dialect == Dialect::kMitogen ? "Mitogen" : "Spindle",
-             l.client->trusted ? ", same uid" : "");
+  // Any local process may connect as often as it likes (links.cpp says the
+  // same of its departures).
+  static SummaryLog connected(spdlog::level::info, kClientLinesPerSecond);
+  connected.note([&] {
+    return fmt::format("stream={} client ctx={} pid={} uid={} connected ({} dialect{})", s.name(), p.remote_id,
+                       l.client->pid, l.client->uid, p.dialect == Dialect::kMitogen ? "Mitogen" : "Spindle",
+                       l.client->trusted ? ", same uid" : "");
+  });
 }
 
 std::optional<std::uint32_t> Router::client_uid(std::uint32_t id) const {

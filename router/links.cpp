@@ -15,6 +15,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "router/control.h"
 #include "router/reasons.h"
 
@@ -291,12 +292,20 @@ void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsen
       std::lock_guard lk(ports_mu_);
       client_uids_.erase(link->remote_id);
     }
+    // Any local process may connect and go as often as it likes: at most
+    // kClientLinesPerSecond lines a second of each kind (SummaryLog).
+    static SummaryLog dropped(spdlog::level::info, kClientLinesPerSecond);
+    static SummaryLog disconnected(spdlog::level::info, kClientLinesPerSecond);
     if (link->remote_id == 0)
-      log().info("stream={} client pid={} uid={} dropped before its handshake completed: {}",
-                 s.name(), link->client->pid, link->client->uid, why);
+      dropped.note([&] {
+        return fmt::format("stream={} client pid={} uid={} dropped before its handshake completed: {}", s.name(),
+                           link->client->pid, link->client->uid, why);
+      });
     else
-      log().info("stream={} client ctx={} pid={} disconnected: {}", s.name(), link->remote_id,
-                 link->client->pid, why);
+      disconnected.note([&] {
+        return fmt::format("stream={} client ctx={} pid={} disconnected: {}", s.name(), link->remote_id,
+                           link->client->pid, why);
+      });
   } else {
     log().info("stream={} child ctx={} disconnected: {}", s.name(), link->remote_id, why);
   }
@@ -305,13 +314,23 @@ void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsen
   for (const Header& h : unsent.wanting_reply) send_dead(h, detail);
   for (auto& m : unsent.originals)
     if (Message::wants_dead_reply(*m)) send_dead(m->header, detail);
-  if (unsent.dead || unsent.other)
-    log().info("stream={} closed with {} dead replies and {} other messages still queued for it: "
-               "dropped ({})", s.name(), unsent.dead, unsent.other, why);
+  static SummaryLog client_unsent(spdlog::level::info, kClientLinesPerSecond);
+  static SummaryLog client_refusals(spdlog::level::warn, kClientLinesPerSecond);
+  if (unsent.dead || unsent.other) {
+    auto line = [&] {
+      return fmt::format("stream={} closed with {} dead replies and {} other messages still queued for it: "
+                         "dropped ({})", s.name(), unsent.dead, unsent.other, why);
+    };
+    if (link->client) client_unsent.note(line);
+    else log().info("{}", line());
+  }
   // Refusals are summed up a line a second (note_refusal): the last ones
   // would otherwise go unreported.
-  if (link->refusals)
-    log().warn("stream={} {} more refusal(s) since the last report", s.name(), link->refusals);
+  if (link->refusals) {
+    auto line = [&] { return fmt::format("stream={} {} more refusal(s) since the last report", s.name(), link->refusals); };
+    if (link->client) client_refusals.note(line);
+    else log().warn("{}", line());
+  }
   steps += contexts_gone(gone, detail);
   if (was_parent) {
     // Everything not routed through a child was reached via the parent.

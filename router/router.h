@@ -133,6 +133,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   // cost: a route without a name grew the router's RSS by about 230 bytes
   // (Hardening.TheRoutesAClientAnnouncesAreChargedToItAndShared prints it).
   static constexpr std::size_t kRouteStateBytes = 512;
+  // How many lines a second each kind of a client's arrival and departure
+  // lines may take before they are counted instead (SummaryLog).
+  static constexpr std::uint32_t kClientLinesPerSecond = 64;
   static constexpr std::size_t kEgressStateBytes = 128;
 
   explicit Router(Broker& broker, RouterOptions opts = {});

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -242,6 +243,36 @@ TEST(Listener, MaxClientsRefusesWithTheReason) {
   // The slot is free again once the router has seen A leave.
   for (int i = 0; i < 200 && r.router().client_count() != 0; ++i) std::this_thread::sleep_for(20ms);
   EXPECT_NO_THROW(r.client());
+}
+
+// A same-uid process that connects and goes in a loop (each handshake
+// completes: a client's arrival and departure) costs a bounded number of
+// log lines, not two per connection.
+TEST(Listener, ClientsThatComeAndGoInALoopAreLoggedInSummary) {
+  constexpr int kConnections = 600;
+  auto sink = std::make_shared<CaptureSink>();
+  set_log_sinks({sink});
+  struct Restore {
+    ~Restore() { set_log_sinks({}); }
+  } restore;
+  InProcessRouter r;
+  for (int i = 0; i < kConnections; ++i) {
+    RawPeer peer = RawPeer::connect_to(r.address());
+    peer.handshake();
+    ASSERT_TRUE(peer.goodbye());
+  }
+  for (int i = 0; i < 1000 && r.router().client_count() != 0; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(r.router().client_count(), 0u);
+  const auto arrived = sink->lines_with(" connected (");
+  const auto left = sink->lines_with(" disconnected: ");
+  std::printf("%d connections: %zu arrival and %zu departure lines\n", kConnections, arrived.size(), left.size());
+  // Up to Router::kClientLinesPerSecond of each a second, one after.
+  EXPECT_GE(arrived.size(), 1u);
+  EXPECT_LT(arrived.size() + left.size(), static_cast<std::size_t>(kConnections));
+  bool summed = false;
+  for (const auto& l : arrived) summed |= l.find("such in the last second") != std::string::npos;
+  for (const auto& l : left) summed |= l.find("such in the last second") != std::string::npos;
+  EXPECT_TRUE(summed || arrived.size() + left.size() <= 4 * Router::kClientLinesPerSecond);
 }
 
 TEST(Listener, AnotherUidIsRefusedAndLoggedInSummary) {
