@@ -27,6 +27,17 @@ struct Table {
   std::map<std::uint32_t, std::string> by_id;
 };
 
+// A call's arguments are one msgpack string of at most kMaxNameSize bytes:
+// anything longer is refused before it is decoded (decoding a body that
+// came in several slices first joins them into one copy).
+constexpr std::size_t kMaxArgsSize = kMaxNameSize + 16;
+
+void check_args_size(const Request& r, std::string_view method) {
+  if (r.args().size() > kMaxArgsSize)
+    throw Error(fmt::format("names.{}: the arguments are {} bytes; a name or pattern is at most {}", method,
+                            r.args().size(), kMaxNameSize));
+}
+
 bool valid_name(std::string_view n) {
   if (n.empty() || n.size() > kMaxNameSize) return false;
   for (char c : n)
@@ -42,6 +53,7 @@ std::unique_ptr<Service> make_names_service(Router& router) {
   s->expose(
       "register", Access::any(),
       [table, &router](Request& r) {
+        check_args_size(r, "register");
         auto [name] = detail::decode_args<std::string>(r.args());
         if (!valid_name(name))
           throw Error(fmt::format("names.register: a name is 1 to {} bytes of A-Z a-z 0-9 . _ -", kMaxNameSize));
@@ -76,6 +88,7 @@ std::unique_ptr<Service> make_names_service(Router& router) {
   s->expose(
       "find", Access::any(),
       [table](Request& r) {
+        check_args_size(r, "find");
         auto [pattern] = detail::decode_args<std::string>(r.args());
         if (pattern.empty() || pattern.size() > kMaxNameSize)
           throw Error(fmt::format("names.find: a pattern is 1 to {} bytes", kMaxNameSize));

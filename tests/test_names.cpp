@@ -56,6 +56,14 @@ TEST_F(Names, NamesAreUniqueAndValidated) {
   Connection c = Connection::open(socket(), {.name = "first"});
   EXPECT_THROW(c.register_name("second"), CallError);
   EXPECT_EQ(c.find("first").size(), 1u);
+  // A megabyte pattern is refused before it is decoded (which would first
+  // join its slices into a copy).
+  try {
+    c.find(std::string(1 << 20, '*'));
+    ADD_FAILURE() << "a 1 MiB pattern was taken";
+  } catch (const CallError& e) {
+    EXPECT_NE(std::string(e.what()).find("a name or pattern is at most 64"), std::string::npos) << e.what();
+  }
 }
 
 // A named client holds what others send it until ready(). With nothing held
