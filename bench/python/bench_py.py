@@ -279,7 +279,11 @@ class ShmPeer:
                 off += r.nbytes
             name = shm.name
             ShmPeer.created.append(name)
-            shm.close()  # the receiver unlinks it
+            # The receiver unlinks it: this process's resource tracker must
+            # not count it as leaked (and warn at exit) once that happened.
+            from multiprocessing import resource_tracker
+            resource_tracker.unregister(shm._name, "shared_memory")
+            shm.close()
         conn.send_bytes(pickle.dumps((data, name, [r.nbytes for r in raws])))
 
     @staticmethod
@@ -564,7 +568,6 @@ def kill9_leak(make_peer, payload):
     """Bytes /dev/shm gains when a child is killed with -9 while a payload waits
     for it (queued behind a call it is busy with): a worker killed while a batch
     was on its way. What it leaves is then removed, so the run leaves nothing."""
-    from multiprocessing import resource_tracker
     before = _dev_shm_bytes()
     peer = make_peer()
     try:
@@ -587,8 +590,7 @@ def kill9_leak(make_peer, payload):
             peer.proc.join(5)
     for name in ShmPeer.created:
         if os.path.exists("/dev/shm/" + name):
-            os.unlink("/dev/shm/" + name)
-            resource_tracker.unregister("/" + name, "shared_memory")
+            os.unlink("/dev/shm/" + name)  # its sender unregistered it already
     ShmPeer.created.clear()
     return leaked
 
