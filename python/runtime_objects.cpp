@@ -32,6 +32,8 @@
 
 #include <spindle/connection.h>
 
+#include "router/router.h"
+
 namespace spindle::python {
 
 namespace {
@@ -474,6 +476,9 @@ void bind_runtime_objects(py::module_& m) {
            py::arg("agent"), py::arg("remote_dir"), py::arg("name"), py::arg("via"))
       .def("context", [](PyRuntime& r, std::uint32_t id) { return PyContext{r.get().context(id)}; })
       .def("port", [](PyRuntime& r) { return make_port(r.get().router()); })
+      // Which link reaches `id` now (Router::fair_share_key): pickle trust
+      // is bound to the link a child was started on.
+      .def("link_key", [](PyRuntime& r, std::uint32_t id) { return r.get().router().fair_share_key(id); })
       .def("close", &PyRuntime::close)
       .def("abandon", &PyRuntime::abandon);
 

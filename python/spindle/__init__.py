@@ -199,7 +199,7 @@ class Router(_Endpoint):
         self._max_message_size = int(max_message_size)
         self._core = _spindle.Runtime(self._max_message_size, float(wait_spin))
         # Pickles from itself and the Python children it starts (_adopt).
-        self._owner = _Owner("Router", _PickleTrust(ids=[self._core.id]))
+        self._owner = _Owner("Router", _PickleTrust(ids=[self._core.id], link_key=self._core.link_key))
         self._owner._port = self._core.port()
         self._children = []
         _live.add(self)
@@ -215,9 +215,9 @@ class Router(_Endpoint):
             # ...while the Child owns the process: trust goes with it (the
             # id is never given to another context, but the set must not
             # grow with every child a long-lived router ever forked).
-            ids = self._owner._trust.ids
-            ids.add(child.id)
-            child._forget_trust = weakref.finalize(child, ids.discard, child.id)
+            trust = self._owner._trust
+            trust.add_child(child.id)
+            child._forget_trust = weakref.finalize(child, trust.forget_child, child.id)
         return child
 
     def fork(self, target=None, *, name=""):

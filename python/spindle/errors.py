@@ -123,12 +123,33 @@ class _PickleTrust:
     the link it came by (the reverse-path check).
     """
 
-    def __init__(self, everyone=False, ids=()):
+    def __init__(self, everyone=False, ids=(), link_key=None):
         self.everyone = everyone
         self.ids = set(ids)
+        # A child is trusted through the link it was started on: link_key(id)
+        # says which link reaches `id` now. Once the child is gone, its id
+        # reaches nothing, or (after the id space wrapped round) another
+        # context through another link, which a pickle then does not pass.
+        self._link_key = link_key
+        self._links = {}
+
+    def add_child(self, cid):
+        self.ids.add(cid)
+        if self._link_key is not None:
+            self._links[cid] = self._link_key(cid)
+
+    def forget_child(self, cid):
+        self.ids.discard(cid)
+        self._links.pop(cid, None)
+
+    def _trusted(self, sender):
+        if sender not in self.ids:
+            return False
+        want = self._links.get(sender)
+        return want is None or self._link_key(sender) == want
 
     def unpickler(self, sender):
-        if self.everyone or sender in self.ids:
+        if self.everyone or self._trusted(sender):
             return pickle.loads
         if not self.ids:  # a Connection without allow_pickle
             return _refuse_pickle

@@ -2,9 +2,11 @@
 
 import asyncio
 import os
+import pickle
 import select
 import signal
 import threading
+import time
 
 import pytest
 
@@ -76,6 +78,24 @@ def test_a_childs_pickles_are_trusted_while_the_child_is_owned(router):
     import gc
     gc.collect()
     assert oid not in trusted and router.id in trusted
+
+
+def test_a_dead_childs_pickles_are_refused_while_its_child_object_lives(router):
+    """Trust is bound to the link the child was started on: once it is gone,
+    nothing that later arrives with its id is unpickled (after the id space
+    wraps round, another context could be given that id)."""
+    trust = router._owner._trust
+    child = router.fork()
+    cid = child.id
+    assert trust.unpickler(cid) is pickle.loads
+    os.kill(child.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while trust.unpickler(cid) is pickle.loads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cid in trust.ids  # the Child still owns its (dead) process...
+    with pytest.raises(spindle.PickleRefusedError):
+        trust.unpickler(cid)(b"")  # ...but its id no longer passes
+    child.stop()
 
 
 def test_pickle_between_parent_and_child(child):
