@@ -250,11 +250,8 @@ TEST(Listener, MaxClientsRefusesWithTheReason) {
 // log lines, not two per connection.
 TEST(Listener, ClientsThatComeAndGoInALoopAreLoggedInSummary) {
   constexpr int kConnections = 600;
-  auto sink = std::make_shared<CaptureSink>();
-  set_log_sinks({sink});
-  struct Restore {
-    ~Restore() { set_log_sinks({}); }
-  } restore;
+  ScopedLogCapture capture;
+  CaptureSink* sink = &capture.sink();
   InProcessRouter r;
   for (int i = 0; i < kConnections; ++i) {
     RawPeer peer = RawPeer::connect_to(r.address());
@@ -278,11 +275,8 @@ TEST(Listener, ClientsThatComeAndGoInALoopAreLoggedInSummary) {
 TEST(Listener, AnotherUidIsRefusedAndLoggedInSummary) {
   constexpr int kRefusedConnections = 200;
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
-  auto sink = std::make_shared<CaptureSink>();
-  set_log_sinks({sink});
-  struct Restore {
-    ~Restore() { set_log_sinks({}); }
-  } restore;
+  ScopedLogCapture capture;
+  CaptureSink* sink = &capture.sink();
   ListenerOptions lo;
   lo.address = UnixAddress::parse(fmt::format("@spindle-test-uid-{}", ::getpid()));
   InProcessRouter r(lo);

@@ -192,17 +192,29 @@ TEST(ServicesPool, ConcurrentServiceRunsCallsInParallel) {
   EXPECT_EQ(b.get().text(), "met");
 }
 
-TEST(ServicesPool, DeduplicatedCallsShareOneComputation) {
-  ServiceRig rig(4);
+// A deduplicated service "dedup" whose method "slow" counts each
+// computation and waits for the gate; it answers with describe(args, n).
+struct GatedDedup {
+  explicit GatedDedup(std::function<std::string(const Request&, int)> describe) {
+    auto s = std::make_unique<Service>("dedup", RunMode::kDeduplicated);
+    s->expose("slow", Access::any(), [this, describe = std::move(describe)](Request& r) {
+      int n = ++computed;
+      gate.wait();
+      return Payload::copy_of(describe(r, n));
+    });
+    svc = &rig.add(std::move(s));
+  }
+  ServiceRig rig{4};
   Gate gate;
   std::atomic<int> computed{0};
-  auto s = std::make_unique<Service>("dedup", RunMode::kDeduplicated);
-  s->expose("slow", Access::any(), [&](Request& r) {
-    int n = ++computed;
-    gate.wait();
-    return Payload::copy_of(fmt::format("{} computed as #{}", r.args_text(), n));
-  });
-  Service& svc = rig.add(std::move(s));
+  Service* svc = nullptr;
+};
+
+TEST(ServicesPool, DeduplicatedCallsShareOneComputation) {
+  GatedDedup d([](const Request& r, int n) { return fmt::format("{} computed as #{}", r.args_text(), n); });
+  ServiceRig& rig = d.rig;
+  std::atomic<int>& computed = d.computed;
+  Service& svc = *d.svc;
   std::vector<std::future<Message>> same;
   for (int i = 0; i < 5; ++i) same.push_back(services::call_async(rig.self, "dedup", "slow", Payload::copy_of("x")));
   auto other = services::call_async(rig.self, "dedup", "slow", Payload::copy_of("y"));
@@ -215,7 +227,7 @@ TEST(ServicesPool, DeduplicatedCallsShareOneComputation) {
     return rig.host.stats().answered == 6 && computed.load() == 2 && st.running == 2 && st.queued == 0;
   }));
   EXPECT_EQ(svc.dedup_pending(), 2u);
-  gate.open();
+  d.gate.open();
   std::string first = same[0].get().text();
   for (int i = 1; i < 5; ++i) EXPECT_EQ(same[i].get().text(), first);
   EXPECT_NE(other.get().text(), first);
@@ -231,16 +243,10 @@ TEST(ServicesPool, DeduplicatedCallsShareOneComputation) {
 // compute apart. The table compares the arguments it shares with the
 // request instead of copying them into its key.
 TEST(ServicesPool, DeduplicationComparesLargeArgumentsWithoutCopyingThem) {
-  ServiceRig rig(4);
-  Gate gate;
-  std::atomic<int> computed{0};
-  auto s = std::make_unique<Service>("dedup", RunMode::kDeduplicated);
-  s->expose("slow", Access::any(), [&](Request& r) {
-    int n = ++computed;
-    gate.wait();
-    return Payload::copy_of(fmt::format("#{} of {} bytes", n, r.args().size()));
-  });
-  Service& svc = rig.add(std::move(s));
+  GatedDedup d([](const Request& r, int n) { return fmt::format("#{} of {} bytes", n, r.args().size()); });
+  ServiceRig& rig = d.rig;
+  std::atomic<int>& computed = d.computed;
+  Service& svc = *d.svc;
   const std::string bytes(1 << 20, 'a');
   std::string middle = bytes;
   middle[bytes.size() / 2] = 'b';
@@ -254,7 +260,7 @@ TEST(ServicesPool, DeduplicationComparesLargeArgumentsWithoutCopyingThem) {
   auto c = services::call_async(rig.self, "dedup", "slow", Payload::copy_of(middle));
   ASSERT_TRUE(eventually([&] { return rig.host.stats().answered == 3 && computed.load() == 2; }));
   EXPECT_EQ(svc.dedup_pending(), 2u);
-  gate.open();
+  d.gate.open();
   const std::string first = a.get().text();
   EXPECT_EQ(b.get().text(), first);
   EXPECT_NE(c.get().text(), first);
