@@ -25,6 +25,10 @@ void RxBuffer::retire(std::shared_ptr<Chunk> c) {
   }
 }
 
+RxBuffer::~RxBuffer() {
+  for (std::shared_ptr<Chunk>& c : chunks_) retire(std::move(c));
+}
+
 std::span<std::uint8_t> RxBuffer::write_space() {
   if (chunks_.empty()) {
     chunks_.push_back(new_chunk());

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "stream/account.h"
+#include "stream/rx_buffer.h"
 
 namespace spindle {
 namespace test_account {
@@ -166,6 +167,31 @@ TEST(Account, AChargeReleasesOnceWhereverItGoes) {
     EXPECT_EQ(budget->held(), 700u);
   }
   EXPECT_EQ(budget->held(), 0u);
+}
+
+// A receive chunk that a message still holds when its stream goes (the
+// peer left) is charged to the peer's account until the message lets go,
+// as a chunk retired earlier is. Before, the chunk being filled was charged
+// to nobody: a client that reconnected in a loop, each time leaving a
+// message queued behind a slow receiver, pinned 128 KiB per connection.
+TEST(Account, AChunkAMessageHoldsWhenItsBufferGoesIsChargedUntilReleased) {
+  auto account = std::make_shared<Account>(1u << 20, nullptr);
+  Payload kept;
+  {
+    RxBuffer rx;
+    rx.set_account(account);
+    auto space = rx.write_space();
+    ASSERT_GE(space.size(), 100u);
+    std::fill_n(space.data(), 100, std::uint8_t{7});
+    rx.commit(100);
+    kept = rx.take(40);  // a message from a chunk not yet full
+    rx.drop(60);
+    EXPECT_EQ(account->held(), 0u) << "the chunk is still the buffer's own";
+  }
+  EXPECT_EQ(account->held(), kChunkSize);
+  EXPECT_EQ(kept.size(), 40u);
+  kept = Payload();
+  EXPECT_EQ(account->held(), 0u);
 }
 
 }  // namespace test_account
