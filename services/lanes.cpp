@@ -140,12 +140,22 @@ LaneSet::Push LaneSet::push(Lane& lane, Message& m, std::uint64_t sender) {
     // message is already received (and charged to its sender by the router),
     // so refusing it frees nothing, while a bound below the largest message
     // would refuse every large call (a 256 MiB array) however idle the lane.
-    const bool over_bytes = !lane.queue_.empty() && lane.queued_bytes_ + size > lane.opts_.max_bytes;
+    const bool backlog = !lane.queue_.empty();
+    const bool over_bytes = backlog && lane.queued_bytes_ + size > lane.opts_.max_bytes;
     const bool over = lane.queue_.size() >= lane.opts_.max_messages || over_bytes;
-    if (over && !lane.within_share(lane.load_of(sender), size)) {
+    // Past twice the bounds nobody is queued: a sender holding nothing
+    // passes its share, and a peer that reconnects is a new sender each time.
+    const bool past_twice = lane.queue_.size() >= 2 * lane.opts_.max_messages ||
+                            (backlog && lane.queued_bytes_ + size > 2 * lane.opts_.max_bytes);
+    if (past_twice || (over && !lane.within_share(lane.load_of(sender), size))) {
       ++stats_.refused_full;
       return Push::kFull;
     }
+    // A small message that will wait keeps its own bytes, not the 128 KiB
+    // receive chunk it arrived in (charged to its peer, but a peer that
+    // reconnects leaves one behind per connection). Only behind a backlog:
+    // a message taken at once is not copied.
+    if (backlog && size <= kCopiedWhenQueued) m.data = m.data.owned_copy();
     lane.queued_bytes_ += size;
     lane.add_load(sender, size);
     lane.queue_.push_back(Lane::Queued{std::move(m), sender});

@@ -18,8 +18,8 @@
 //    sender is, the pusher says (by default the message's auth_id; a
 //    ServiceHost says the link it came by: Router::fair_share_key). So one peer that fills a shared lane (a router's
 //    ping service) shuts the others out for no longer than it took to fill
-//    it; they get their share, it gets refusals. A lane holds at most about
-//    twice its bounds, as a router holds about twice its global memory limit.
+//    it; they get their share, it gets refusals. A lane holds at most twice
+//    its bounds, as a router holds about twice its global memory limit.
 // A serialized lane leaves the ring while one of its messages runs, and
 // re-enters it when the taker calls done(): its messages run one at a time in
 // arrival order.
@@ -65,6 +65,9 @@ namespace spindle::services {
 // size), so a lane holds at most max(max_bytes, one message).
 inline constexpr std::size_t kDefaultLaneMaxMessages = 65536;
 inline constexpr std::size_t kDefaultLaneMaxBytes = 64u << 20;
+// A message this small that waits behind others is copied out of the receive
+// chunk it shares (LaneSet::push), as a router copies what it holds.
+inline constexpr std::size_t kCopiedWhenQueued = 8 * 1024;
 
 struct LaneOptions {
   std::string name;

@@ -326,6 +326,33 @@ TEST(ServicesLanes, AnEmptyLaneTakesOneMessageLargerThanItsByteBound) {
   set.close();
 }
 
+// Past twice its bounds a lane takes nobody's message, not even from a
+// sender that holds nothing there (which passes its share): a peer that
+// reconnects is a new sender each time. And a small message queued behind
+// others keeps its own bytes, not the receive chunk it arrived in.
+TEST(ServicesLanes, ALaneHoldsAtMostTwiceItsBoundsAndCopiesWhatWaits) {
+  services::LaneSet set;
+  services::LaneOptions o;
+  o.name = "small";
+  o.max_messages = 4;
+  services::Lane& lane = set.add_lane(o);
+  auto chunk = std::make_shared<std::vector<std::uint8_t>>(128 * 1024, 'c');
+  for (std::uint64_t sender = 1; sender <= 8; ++sender) {
+    Message m = Message::make(1, 2, {});
+    m.data.append(Slice{chunk, chunk->data(), 64});  // as a receive chunk's slice
+    EXPECT_EQ(set.push(lane, m, sender), services::LaneSet::Push::kQueued) << "sender " << sender;
+  }
+  EXPECT_EQ(chunk.use_count(), 2) << "only the first, taken by nobody yet, shares the chunk";
+  Message fresh = lane_msg(10);
+  EXPECT_EQ(set.push(lane, fresh, 9), services::LaneSet::Push::kFull);
+  EXPECT_EQ(set.stats().queued, 8u);
+  auto t = set.take(std::chrono::steady_clock::now() + 1s);
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->msg.data.to_string(), std::string(64, 'c'));
+  set.done(*t->lane);
+  set.close();
+}
+
 // A worker's done() goes with its next take(): a serialized lane's next
 // message becomes runnable under that same lock, so the take finds it
 // at once instead of waiting (the lane is out of the ring while its message
