@@ -141,6 +141,7 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
       stall_timer_(broker.io()),
       hold_timer_(broker.io()),
       body_timer_(broker.io()),
+      partial_timer_(broker.io()),
       fds_timer_(broker.io()),
       resumer_(std::make_shared<ReadResumer>()) {
   set_nonblocking(read_fd);
@@ -467,6 +468,7 @@ bool Stream::process_input() {
     if (r.status == ParseStatus::kNeedMore) {
       if (r.memory_wait) wait_for_memory(r.header.length);
       watch_body();
+      watch_partial();
       watch_fds();
       if (orphan_fds()) {
         ParseResult bad;
@@ -525,6 +527,7 @@ void Stream::close(const std::string& reason) {
   stall_timer_.cancel();
   hold_timer_.cancel();
   body_timer_.cancel();
+  partial_timer_.cancel();
   fds_timer_.cancel();
   std::error_code ignored;
   rd_.cancel(ignored);

@@ -141,7 +141,9 @@ struct StreamOptions {
   //   listener announces it), a large body is read only once its whole size
   //   fits (reading pauses until it does), and a body once begun must arrive
   //   at kMinBodyRate or faster, or the peer is disconnected: its charge is
-  //   held only as long as an honest sender takes.
+  //   held only as long as an honest sender takes. A smaller frame, whose
+  //   bytes wait in the receive chunks, must be finished within
+  //   stall_timeout plus its largest size at that rate (watch_partial).
   bool untrusted = false;
   // The fds this process holds for all its peers (shared by a router's
   // links; may be null). An untrusted peer's fds are taken only while the
@@ -313,6 +315,7 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   void wait_for_memory(std::size_t body_size);
   void watch_body();  // untrusted: times the large body under way
   void watch_fds();   // untrusted: times the fds not yet bound to a frame
+  void watch_partial();  // untrusted: times a small frame left unfinished
   bool holds_unbound_fds() const { return !rx_fds_.empty() || batch_left_ > 0; }
  public:
   void resume_reading();  // via ReadResumer, on the broker thread
@@ -363,6 +366,9 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   asio::steady_timer hold_timer_;  // hold_input(): reading resumes when it fires
   asio::steady_timer body_timer_;  // watch_body(): the body under way is late
   std::uint64_t body_watched_ = 0;  // parser_->bodies_begun() when body_timer_ was set
+  asio::steady_timer partial_timer_;  // watch_partial()
+  bool partial_watched_ = false;
+  std::uint64_t partial_mark_ = 0;  // stats_.messages_in when partial_timer_ was set
   asio::steady_timer fds_timer_;   // watch_fds()
   bool fds_watched_ = false;
   std::uint64_t batches_done_ = 0;  // fd batches bound whole to their frames

@@ -7,6 +7,7 @@
 // An untrusted peer's body, once begun, must arrive at kMinBodyRate. Holds
 // (hold_input, hold_for_peer) stop reading for the router's own reasons: a
 // destination over its mark, or a log budget spent.
+#include "stream/parser.h"
 #include "stream/stream.h"
 
 #include <algorithm>
@@ -187,6 +188,36 @@ void Stream::note_below_mark() {
   if (!watch_mark_ || port_->gauge.queued() >= port_->gauge.high_water_mark()) return;
   watch_mark_ = false;
   listener_->on_stream_below_mark(*this);
+}
+
+// A frame whose body is under kDirectBodyThreshold waits in the receive
+// chunks until it is whole: the chunk being filled is charged to nobody
+// while it does, and no other deadline applies (watch_body times only large
+// bodies, the stall timer only a paused link). An untrusted peer that
+// leaves such a frame unfinished is disconnected once an honest sender
+// would have finished it: stall_timeout plus its largest size at
+// kMinBodyRate. Not while reading is paused or held: then the wait is ours
+// (reading resumes through process_input, which times the frame afresh).
+void Stream::watch_partial() {
+  if (!opts_.untrusted || opts_.stall_timeout.count() <= 0 || rx_.readable() == 0 || paused_ ||
+      input_stopped() || parser_->body_wants_bytes())
+    return;
+  if (partial_watched_ && partial_mark_ == stats_.messages_in) return;  // timing this frame already
+  partial_watched_ = true;
+  partial_mark_ = stats_.messages_in;
+  const auto allowed =
+      opts_.stall_timeout + std::chrono::milliseconds(kDirectBodyThreshold * 1000 / kMinBodyRate);
+  partial_timer_.expires_after(allowed);  // a wait for an earlier frame ends: operation_aborted
+  partial_timer_.async_wait([self = shared_from_this(), allowed](const std::error_code& ec) {
+    if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed) return;
+    self->partial_watched_ = false;
+    if (self->stats_.messages_in != self->partial_mark_ || self->rx_.readable() == 0 || self->paused_ ||
+        self->input_stopped() || self->parser_->body_wants_bytes())
+      return self->watch_partial();  // it finished (a later one may be partial), or waits for us
+    self->close(fmt::format("the peer left a frame unfinished for {} ms ({} bytes of it arrived; a "
+                            "frame must arrive at {} MiB/s or faster once begun)",
+                            allowed.count(), self->rx_.readable(), kMinBodyRate >> 20));
+  });
 }
 
 // An untrusted peer's fds are held from their arrival until the frame they

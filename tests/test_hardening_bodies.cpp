@@ -118,5 +118,41 @@ TEST_F(Hardening, ABodyIsBegunOnlyWhenItFitsAndMustThenArrive) {
   expect_served("three bodies that never arrived");
 }
 
+// A small frame (its body under 64 KiB) waits in the receive chunks until it
+// is whole, charged to nobody, and no other deadline applied: a client could
+// send part of one and hold up to 256 KiB of the router for as long as it
+// stayed. It is now cut off once an honest sender would have finished (the
+// stall timeout plus 64 KiB at 4 MiB/s). A client that sends small frames
+// slowly but finishes each is not.
+TEST_F(Hardening, ASmallFrameLeftUnfinishedIsCutOff) {
+  start({"--stall-timeout", "1s"});
+  RawPeer to = raw_client();
+  const std::uint32_t to_id = id_;
+  RawPeer honest = raw_client();
+  const std::uint32_t honest_id = id_;
+  RawPeer half = raw_client();
+  // 10 bytes of a header, then 26 bytes and half a 1 KiB body: never more.
+  const std::string whole = frame_bytes(frame(to_id, id_, id_, 7, 0), std::string(1024, 'h'));
+  half.write_all(whole.substr(0, 10));
+  // The honest one: a frame every 300 ms, each in two halves.
+  const std::string mine = frame_bytes(frame(to_id, honest_id, honest_id, 7, 0), std::string(100, 'm'));
+  for (int i = 0; i < 8; ++i) {
+    honest.write_all(mine.substr(0, 40));
+    std::this_thread::sleep_for(150ms);
+    honest.write_all(mine.substr(40));
+    std::this_thread::sleep_for(150ms);
+    if (i == 0) half.write_all(whole.substr(10, 26 + 512));
+  }
+  EXPECT_TRUE(half.wait_eof(nullptr, 10s)) << router_->log();
+  EXPECT_TRUE(eventually([&] { return !lines_with("left a frame unfinished").empty(); }, 10s)) << router_->log();
+  Message m;
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(to.read_frame_for(to_id, 7, m, 10s)) << "frame " << i << ": " << router_->log();
+    EXPECT_EQ(m.header.src_id, honest_id);
+    EXPECT_EQ(m.data.size(), 100u);
+  }
+  expect_served("a small frame left unfinished");
+}
+
 }  // namespace test_hardening_bodies
 }  // namespace spindle
