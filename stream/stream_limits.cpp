@@ -196,18 +196,23 @@ void Stream::note_below_mark() {
 // bodies, the stall timer only a paused link). An untrusted peer that
 // leaves such a frame unfinished is disconnected once an honest sender
 // would have finished it: stall_timeout plus its largest size at
-// kMinBodyRate. Not while reading is paused or held: then the wait is ours
-// (reading resumes through process_input, which times the frame afresh).
+// kMinBodyRate (at most twice that, see below). Not while reading is
+// paused or held: then the wait is ours (reading resumes through
+// process_input, which times the frame afresh).
 void Stream::watch_partial() {
   if (!opts_.untrusted || opts_.stall_timeout.count() <= 0 || rx_.readable() == 0 || paused_ ||
       input_stopped() || parser_->body_wants_bytes())
     return;
-  if (partial_watched_ && partial_mark_ == stats_.messages_in) return;  // timing this frame already
+  // One wait at a time, never re-armed per batch (most reads end inside a
+  // frame: that would cost a timer cancel and completion per read). When it
+  // fires after frames were completed, the frame partial then gets a wait of
+  // its own: a frame is cut off after one to two allowances.
+  if (partial_watched_) return;
   partial_watched_ = true;
   partial_mark_ = stats_.messages_in;
   const auto allowed =
       opts_.stall_timeout + std::chrono::milliseconds(kDirectBodyThreshold * 1000 / kMinBodyRate);
-  partial_timer_.expires_after(allowed);  // a wait for an earlier frame ends: operation_aborted
+  partial_timer_.expires_after(allowed);
   partial_timer_.async_wait([self = shared_from_this(), allowed](const std::error_code& ec) {
     if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed) return;
     self->partial_watched_ = false;
