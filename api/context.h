@@ -48,6 +48,7 @@ namespace spindle {
 
 class Router;
 class ChildProcess;
+class SendBatch;
 namespace detail {
 struct RouterLink;
 }
@@ -127,6 +128,7 @@ class Context {
   const std::shared_ptr<ChildProcess>& process() const { return process_; }
 
  private:
+  friend class SendBatch;  // takes the runtime's link
   template <class R>
   std::future<R> future_of(std::string_view name, Payload args) const {
     auto promise = std::make_shared<std::promise<R>>();

@@ -19,6 +19,7 @@
 #include <spindle/payload.h>
 #include <spindle/router_services.h>
 #include <spindle/runtime.h>
+#include <spindle/send_batch.h>
 #include <spindle/slots.h>
 #include <spindle/ssh.h>
 #include <spindle/zygote.h>

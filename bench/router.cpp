@@ -9,7 +9,8 @@
 //   throughput  N = 1, 16, 256 pairs of clients (2N connections); each sender
 //               sends 64 B messages (Router::send) to its partner, from up to
 //               4 threads that take their senders in turn, 64 messages per
-//               turn; each receiver checks sender, sequence and size. Timed
+//               turn, each turn in one SendBatch (the rows' `_unbatched` twin:
+//               without); each receiver checks sender, sequence and size. Timed
 //               from the first send to the last receipt. Floor: N writers ->
 //               relay thread -> N readers, taken the same way, 64 frames (one
 //               turn) per write. Also both with one message per turn (the
@@ -257,9 +258,9 @@ std::pair<double, double> inprocess_forward(const std::string& dir, std::uint64_
     // and no stall, a run whose receiver first fell far behind in the timed
     // part allocated the blocks then (0.0002-0.0003 per message, in two
     // runs of five).
-    pairs.run(messages, bench::kFramesPerTurn, std::chrono::milliseconds(300));
+    pairs.run(messages, bench::kFramesPerTurn, false, std::chrono::milliseconds(300));
     const std::uint64_t a0 = router_thread_allocations();
-    const double secs = pairs.run(messages, bench::kFramesPerTurn);
+    const double secs = pairs.run(messages, bench::kFramesPerTurn, false);
     allocs = static_cast<double>(router_thread_allocations() - a0) / static_cast<double>(messages);
     rate = static_cast<double>(messages) / secs;
   }
@@ -303,16 +304,19 @@ int run(const Config& cfg, bench::Report& report) {
   for (int n : cfg.clients) {
     const std::uint64_t per_pair = std::max<std::uint64_t>(cfg.messages / static_cast<std::uint64_t>(n), 1);
     const bool peak_reset = reset_peak_rss(proc.pid());
-    double secs = 0, secs_one = 0;
-    std::uint64_t router_cpu = 0, client_cpu = 0;
+    double secs = 0, secs_unbatched = 0, secs_one = 0;
+    std::uint64_t router_cpu = 0, client_cpu = 0, client_cpu_unbatched = 0;
     {
       bench::Pairs pairs(address, n);
-      pairs.run(std::max<std::uint64_t>(per_pair / 10, 1), bench::kFramesPerTurn);  // warm-up
+      pairs.run(std::max<std::uint64_t>(per_pair / 10, 1), bench::kFramesPerTurn, true);  // warm-up
       const std::uint64_t r0 = process_cpu_ns(proc.pid()), c0 = process_cpu_ns(0);
-      secs = pairs.run(per_pair, bench::kFramesPerTurn);
+      secs = pairs.run(per_pair, bench::kFramesPerTurn, true);
       router_cpu = process_cpu_ns(proc.pid()) - r0;
       client_cpu = process_cpu_ns(0) - c0;
-      secs_one = pairs.run(per_pair, 1);
+      const std::uint64_t u0 = process_cpu_ns(0);
+      secs_unbatched = pairs.run(per_pair, bench::kFramesPerTurn, false);
+      client_cpu_unbatched = process_cpu_ns(0) - u0;
+      secs_one = pairs.run(per_pair, 1, false);
     }
     const double peak_mib = status_kib(proc.pid(), "VmHWM") / 1024.0;
     const double msgs = static_cast<double>(per_pair) * n;
@@ -325,19 +329,23 @@ int run(const Config& cfg, bench::Report& report) {
         raw_clients_throughput(address, proc.pid(), n, per_pair * kFloodRttScale, true);
     floors.emplace_back(n, floor.frames_per_s);
     const double rate_one = msgs / secs_one;
-    std::printf("throughput, %d pair(s) x %llu messages, %llu per turn: routed %.0f msgs/s, raw relay "
+    std::printf("throughput, %d pair(s) x %llu messages, %llu per turn: routed %.0f msgs/s (a "
+                "SendBatch per turn; %.0f without), raw relay "
                 "%.0f msgs/s; one per turn: routed %.0f, relay %.0f (one frame per write); CPU per "
                 "message: router %.0f ns (relay thread %.0f ns), clients %.0f ns; router peak RSS "
                 "%.1f MiB%s\n"
                 "  the floor's raw clients through spindle-router: %.0f msgs/s, router CPU %.0f ns "
                 "per message\n",
                 n, static_cast<unsigned long long>(per_pair),
-                static_cast<unsigned long long>(bench::kFramesPerTurn), rate, floor.frames_per_s,
+                static_cast<unsigned long long>(bench::kFramesPerTurn), rate, msgs / secs_unbatched,
+                floor.frames_per_s,
                 rate_one, unbatched.frames_per_s, router_cpu / msgs, floor.relay_cpu_ns_per_frame,
                 client_cpu / msgs, peak_mib, peak_reset ? "" : " (peak since start: clear_refs refused)",
                 raw_clients.frames_per_s, raw_clients.relay_cpu_ns_per_frame);
     const std::string suffix = fmt::format("{}_clients", n);
     report.add("routed_throughput_" + suffix, rate, "msgs/s", floor.frames_per_s);
+    report.add("routed_throughput_" + suffix + "_unbatched", msgs / secs_unbatched, "msgs/s",
+               floor.frames_per_s);
     report.add("relay_unbatched_throughput_" + suffix, unbatched.frames_per_s, "msgs/s",
                floor.frames_per_s);
     report.add("routed_throughput_" + suffix + "_one_per_turn", rate_one, "msgs/s",
@@ -345,6 +353,7 @@ int run(const Config& cfg, bench::Report& report) {
     report.add("router_cpu_ns_per_msg_" + suffix, router_cpu / msgs, "ns/msg",
                floor.relay_cpu_ns_per_frame);
     report.add("client_cpu_ns_per_msg_" + suffix, client_cpu / msgs, "ns/msg");
+    report.add("client_cpu_ns_per_msg_" + suffix + "_unbatched", client_cpu_unbatched / msgs, "ns/msg");
     const std::string raw_suffix = fmt::format("{}_raw_clients", n);
     report.add("routed_throughput_" + raw_suffix, raw_clients.frames_per_s, "msgs/s", floor.frames_per_s);
     report.add("router_cpu_ns_per_msg_" + raw_suffix, raw_clients.relay_cpu_ns_per_frame, "ns/msg",

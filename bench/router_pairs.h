@@ -1,8 +1,10 @@
 // Pairs: N sender -> receiver pairs of clients of one router, for
 // bench_router's throughput rows. Each pair is two spindle::Connections (each
 // with its own broker thread); run() sends per-pair sequence numbers from up
-// to 4 threads (the senders taken in turn) with Router::send, and every
-// receiver checks the sender, the sequence and the size of what arrives.
+// to 4 threads (the senders taken in turn) with Router::send, each turn in
+// one SendBatch when asked (api/send_batch.h: as the raw floor writes a turn
+// in one writev), and every receiver checks the sender, the sequence and the
+// size of what arrives.
 //
 // Thread safety: construct, run() and destroy on one thread (not a broker
 // thread); the receivers' handlers run on their broker threads.
@@ -18,6 +20,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -25,6 +28,7 @@
 #include <fmt/format.h>
 
 #include "router/connect.h"
+#include "spindle/send_batch.h"
 
 namespace spindle::bench {
 
@@ -57,6 +61,7 @@ class Pairs {
       auto s = std::make_unique<Connection>(RouterOptions{.name = fmt::format("send-{}", i)});
       s->connect(address);
       box.from.store(s->id());
+      to_.push_back(s->context(r->id()));
       receivers_.push_back(std::move(r));
       senders_.push_back(std::move(s));
     }
@@ -69,11 +74,12 @@ class Pairs {
   // Each sender sends `per_pair` messages to its partner, `per_turn` at a
   // time before its thread turns to the next sender (the relay floor's
   // writers take their pairs the same way); returns the seconds from the
-  // first send to the last receipt. Throws if any is lost or wrong.
+  // first send to the last receipt. Throws if any is lost or wrong. With
+  // `batched`, each turn is sent in one SendBatch.
   // With `stall`, each receiver's broker thread sleeps that long on its first
   // message, so that the queues on the way fill to their high-water marks
   // (given enough messages to fill them: the sockets' buffers first).
-  double run(std::uint64_t per_pair, std::uint64_t per_turn,
+  double run(std::uint64_t per_pair, std::uint64_t per_turn, bool batched,
              std::chrono::milliseconds stall = std::chrono::milliseconds(0)) {
     stall_ = stall;
     const int n = static_cast<int>(senders_.size());
@@ -98,14 +104,17 @@ class Pairs {
           std::memset(body, 0x5a, sizeof body);
           for (std::uint64_t k = 0; k < per_pair; k += per_turn) {
             const std::uint64_t end = std::min(per_pair, k + per_turn);
-            for (int j = t; j < n; j += threads)
+            for (int j = t; j < n; j += threads) {
+              const auto pair = static_cast<std::size_t>(j);
+              std::optional<SendBatch> batch;
+              if (batched) batch.emplace(to_[pair]);
               for (std::uint64_t i = k; i < end; ++i) {
                 const std::uint64_t seq = sent_ + i;
                 std::memcpy(body, &seq, sizeof seq);
-                senders_[static_cast<std::size_t>(j)]->router().send(
-                    receivers_[static_cast<std::size_t>(j)]->id(), kPairsHandle, body, kEncRaw,
-                    std::chrono::seconds(60));
+                senders_[pair]->router().send(receivers_[pair]->id(), kPairsHandle, body, kEncRaw,
+                                              std::chrono::seconds(60));
               }
+            }
           }
         } catch (...) {
           std::lock_guard lk(error_mu);
@@ -165,6 +174,7 @@ class Pairs {
   bool finished_ = false;      // under mu_
   std::chrono::steady_clock::time_point done_at_;  // under mu_: the last receipt
   std::vector<std::unique_ptr<Connection>> senders_, receivers_;
+  std::vector<Context> to_;  // sender i's Context for receiver i (its batches)
 };
 
 }  // namespace spindle::bench

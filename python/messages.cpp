@@ -40,11 +40,13 @@
 #include <mutex>
 #include <optional>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "router/router.h"
 #include "services/select.h"
+#include "spindle/send_batch.h"
 
 namespace spindle::python {
 
@@ -339,6 +341,29 @@ struct PyPort {
   }
 };
 
+// `with router.batch():` (spindle::SendBatch). The batch is a mark on the
+// thread that entered it, so it must be left on that thread.
+struct PyBatch {
+  explicit PyBatch(Context c) : self(std::move(c)) {}
+  Context self;
+  std::optional<SendBatch> batch;
+  std::thread::id thread;
+
+  PyBatch& enter() {
+    if (batch) throw py::value_error("spindle: this batch is already open (make one per `with`)");
+    batch.emplace(self);
+    thread = std::this_thread::get_id();
+    return *this;
+  }
+  bool exit(const py::args&) {
+    if (!batch) return false;
+    if (thread != std::this_thread::get_id())
+      throw py::value_error("spindle: a batch must be left on the thread that entered it");
+    batch.reset();  // wakes the broker once: no wait, so the GIL is kept
+    return false;
+  }
+};
+
 }  // namespace
 
 py::object make_port(Router& router) {
@@ -352,7 +377,12 @@ void bind_messages(py::module_& m) {
       .def_property_readonly("id", [](const PyPort& p) { return p.self.router().id(); })
       .def("send", &PyPort::send, py::arg("dst"), py::arg("handle"), py::arg("data"), py::arg("fds"),
            py::arg("reply_to"))
-      .def("receiver", [](const PyPort& p) { return std::make_shared<PyReceiver>(p.self); });
+      .def("receiver", [](const PyPort& p) { return std::make_shared<PyReceiver>(p.self); })
+      .def("batch", [](const PyPort& p) { return std::make_unique<PyBatch>(p.self); });
+
+  py::class_<PyBatch, std::unique_ptr<PyBatch>>(m, "SendBatch")
+      .def("__enter__", &PyBatch::enter, py::return_value_policy::reference_internal)
+      .def("__exit__", &PyBatch::exit);
 
   py::class_<SelectCore, std::shared_ptr<SelectCore>>(m, "SelectCore")
       .def(py::init<>())

@@ -164,6 +164,14 @@ class Router : public StreamListener, public ShutdownParticipant {
   // The same for bytes the caller keeps (copied; no Payload is built).
   void send(std::uint32_t dst, std::uint32_t handle, std::span<const std::uint8_t> bytes,
             std::uint16_t enc = kEncRaw, std::chrono::milliseconds timeout = kDefaultSendTimeout);
+  // SendBatch (api/send_batch.h): while `link` is this thread's, its
+  // router's send()s from this thread are queued without a wake-up and never
+  // written on this thread. Returns the link it replaces (batches nest). The
+  // link, not the Router, names the batch: the batch holds it, so its address
+  // cannot pass to another router meanwhile.
+  static const detail::RouterLink* gather_sends(const detail::RouterLink* link);
+  // The end of a batch: the broker takes what it gathered (one wake-up).
+  void hand_over_sends() { broker_.wake(); }
   // Like send(), but never waits: a destination queue at its high-water mark
   // throws QueueFullError at once (the "sender gets an error" policy).
   void route(Message msg);
@@ -317,7 +325,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   // send.cpp: the application threads' side and the outbox
   void submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
               std::chrono::milliseconds timeout, bool wait, std::uint32_t async_slot = 0,
-              bool reply = false);
+              bool reply = false, bool one_way = false);
   bool deliver_here(Header& h, std::span<const std::uint8_t> bytes, Message* msg);
   PortRef port_for(std::uint32_t dst);
   PortRef port_locked(std::uint32_t dst) const;  // under ports_mu_: the port, uncached

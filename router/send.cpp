@@ -12,10 +12,17 @@
 // The broker drains the outbox in one batch (drain_outbox) and writes each
 // stream it touched once.
 //
+// A thread inside a SendBatch (api/send_batch.h) skips step 3 and the
+// wake-up for its one-way sends: the batch's end wakes the broker once. It
+// wakes it before any wait of its own (the gauge, a full outbox), since what
+// it waits for may be its own gathered frames leaving.
+//
 // On the broker thread a send is routed at once (corked inside a batch).
 // A message to this context itself is dispatched without a stream: a reply
 // to a blocking call completes it on the sending thread, a handler that may
 // run anywhere runs there, and anything else goes through the broker.
+#include <utility>
+
 #include <fmt/format.h>
 
 #include "broker/errors.h"
@@ -37,7 +44,14 @@ struct CachedRoute {
 constexpr std::size_t kRouteCacheSize = 16;
 thread_local CachedRoute t_routes[kRouteCacheSize];
 
+// The runtime whose one-way sends this thread gathers (SendBatch).
+thread_local const detail::RouterLink* t_gathering = nullptr;
+
 }  // namespace
+
+const detail::RouterLink* Router::gather_sends(const detail::RouterLink* link) {
+  return std::exchange(t_gathering, link);
+}
 
 Router::PortRef Router::port_for(std::uint32_t dst) {
   const std::uint64_t epoch = route_epoch_.load(std::memory_order_acquire);
@@ -60,7 +74,7 @@ Router::PortRef Router::port_locked(std::uint32_t dst) const {
 
 void Router::send(Message msg, std::chrono::milliseconds timeout) {
   Header h = msg.header;
-  submit(h, {}, &msg, timeout, true);
+  submit(h, {}, &msg, timeout, true, 0, false, /*one_way=*/true);
 }
 
 void Router::send(std::uint32_t dst, std::uint32_t handle, std::span<const std::uint8_t> bytes,
@@ -72,7 +86,7 @@ void Router::send(std::uint32_t dst, std::uint32_t handle, std::span<const std::
   h.enc = enc;
   h.dst_id = dst;
   h.handle = handle;
-  submit(h, bytes, nullptr, timeout, true);
+  submit(h, bytes, nullptr, timeout, true, 0, false, /*one_way=*/true);
 }
 
 void Router::route(Message msg) {
@@ -97,7 +111,7 @@ void Router::reply(const Message& req, Payload data, std::uint16_t enc) {
 // Any thread. `bytes` (the caller's, copied) or `msg` (moved from) is the body.
 void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
                     std::chrono::milliseconds timeout, bool wait, std::uint32_t async_slot,
-                    bool reply) {
+                    bool reply, bool one_way) {
   if (msg) prepare_fds_for_send(*msg);
   const std::size_t size = msg ? msg->data.size() : bytes.size();
   if (size > opts_.max_message_size)
@@ -111,6 +125,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
   h.length = static_cast<std::uint32_t>(size);
   if (msg) msg->header = h;
   const bool on_broker = broker_.on_broker_thread();
+  const bool gathered = one_way && !on_broker && t_gathering == link_.get();
   if (h.dst_id == id() && deliver_here(h, bytes, msg)) {
     // The frame skipped the outbox, where an async call's deadline is armed.
     if (async_slot) arm_deadline(async_slot, futex::deadline_after(timeout));
@@ -130,6 +145,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
     if (reply) {
       g.charge(charge);  // the receiver asked for it: never refused, never waited for
     } else if (!g.try_acquire(charge)) {
+      if (gathered) broker_.wake();  // what the gauge waits for may be this batch
       OutputGauge::Admit a = g.closed() ? OutputGauge::Admit::kClosed
                              : (!wait || on_broker)
                                  ? OutputGauge::Admit::kTimeout
@@ -142,7 +158,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
         throw ChannelError(fmt::format("{}: context {}", reason::kPeerDisconnected, h.dst_id));
     }
     // The idle stream's fast path: written here, now, in one syscall.
-    if (!on_broker && plain && outbox_.empty() && port.port->gate.direct_allowed()) {
+    if (!on_broker && !gathered && plain && outbox_.empty() && port.port->gate.direct_allowed()) {
       Payload view;
       if (msg) view = msg->data;
       else if (!bytes.empty()) view.append(Slice{nullptr, bytes.data(), bytes.size()});
@@ -176,22 +192,30 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
   // is some 180 bytes to zero and destroy, which a local built on every
   // send made a third of this function's time per small send.
   const auto wait_at_most = reply ? kDefaultSendTimeout : wait ? timeout : std::chrono::milliseconds(0);
-  Outbox::Push r;
-  if (msg && plain && size <= kInlineBodyMax && msg->data.slices().size() == 1) {
-    auto c = msg->data.contiguous();
-    r = outbox_.push(rec, {c.data(), c.size()}, nullptr, wait_at_most);
-  } else if (!msg && size > kInlineBodyMax) {
-    Message copied{h, Payload::copy_of(bytes)};
-    r = outbox_.push(rec, {}, &copied, wait_at_most);
-  } else {
-    r = outbox_.push(rec, msg ? std::span<const std::uint8_t>{} : bytes, msg, wait_at_most);
+  // A gathering thread first tries without waiting: a full outbox may hold
+  // its own batch, which the broker takes only once woken.
+  auto push = [&](std::chrono::milliseconds at_most) {
+    if (msg && plain && size <= kInlineBodyMax && msg->data.slices().size() == 1) {
+      auto c = msg->data.contiguous();
+      return outbox_.push(rec, {c.data(), c.size()}, nullptr, at_most);
+    }
+    if (!msg && size > kInlineBodyMax) {
+      Message copied{h, Payload::copy_of(bytes)};
+      return outbox_.push(rec, {}, &copied, at_most);
+    }
+    return outbox_.push(rec, msg ? std::span<const std::uint8_t>{} : bytes, msg, at_most);
+  };
+  Outbox::Push r = push(gathered ? std::chrono::milliseconds(0) : wait_at_most);
+  if (r == Outbox::Push::kTimeout && gathered && wait_at_most.count() > 0) {
+    broker_.wake();
+    r = push(wait_at_most);
   }
   if (r != Outbox::Push::kOk) {
     if (port.port) port.port->gauge.release(charge);
     throw QueueFullError(fmt::format("{}: the send queue of this context ({} bytes) stayed full",
                                      reason::kQueueFull, outbox_.capacity()));
   }
-  broker_.wake();
+  if (!gathered) broker_.wake();
 }
 
 // A message to this context, sent from any thread. Returns false if it must

@@ -67,6 +67,20 @@ class ChildEnv:
         """A Receiver on a fresh handle of this context (see spindle.Receiver)."""
         return Receiver(self._port, self._trust)
 
+    def batch(self):
+        """Gathers this thread's sends (ctx.send, Sender.send) until the `with` ends.
+
+            with env.batch():
+                for row in rows:
+                    sender.send(row)
+
+        They are handed to the broker thread with one wake-up at the end,
+        in order (C++ spindle::SendBatch; GUIDE.md, "Sending a burst").
+        Calls are not gathered. Do not wait inside the batch for the answer
+        to a message it sent: it may not have left yet.
+        """
+        return self._port.batch()
+
     @property
     def id(self):
         return self._core.id
@@ -170,6 +184,11 @@ class _Endpoint:
 
     def __exit__(self, *exc):
         self.close()
+
+    def batch(self):
+        """Gathers this thread's sends until the `with` ends (see ChildEnv.batch)."""
+        self._owner._check()
+        return self._owner._port.batch()
 
 
 # The largest message between a Router and its children (a large buffer

@@ -106,6 +106,23 @@ def test_send_to_a_childs_receiver_and_back(router):
             assert msg.fds == []
 
 
+def test_a_batch_hands_its_sends_over_in_order_when_it_ends(router):
+    child = router.fork(echo_main)
+    handle = child.call("rx_handle")
+    with router.receiver() as rx:
+        with router.batch():
+            for n in range(200):
+                child.send(handle, [rx.sender, n])
+            with router.batch():  # batches nest
+                child.send(handle, [rx.sender, 200])
+            assert child.call("rx_handle") == handle  # a call inside one goes at once
+        assert [rx.get(timeout=BOUND).data for _ in range(201)] == [2 * n for n in range(201)]
+        batch = router.batch()
+        with batch:
+            with pytest.raises(ValueError, match="already open"):
+                batch.__enter__()
+
+
 def test_a_sender_passed_as_an_argument(router, child):
     with router.receiver() as rx:
         values = [0, "two", [3, 4], {"five": 5.0}, None, b"six", {7, 8}]  # a set is pickled
