@@ -92,45 +92,39 @@ TEST(SendBatch, ItsSendsLeaveTogetherInOrderWhenItEnds) {
   expect_exit_code(c, 0);
 }
 
-// 4 MiB through a 64 KiB high-water mark, all in one batch: each send that
-// finds the gauge full must first hand the batch to the broker, or it
-// would wait for its own frames, which nobody writes.
-TEST(SendBatch, ASendOverTheHighWaterMarkHandsTheBatchOver) {
+// `n` messages of `size` bytes sent in one batch, from a thread of their
+// own, must all arrive in order within 30 s under the bounds `ro` sets.
+void expect_one_batch_delivered(RouterOptions ro, int n, std::size_t size) {
   Broker broker;
-  RouterOptions ro = root_opts();
-  ro.high_water_mark = 64 * 1024;
   Router router(broker, ro);
   Context c = fork_child(router, counting_child, named("counter"));
   ASSERT_EQ(report(c), "0 0");
   auto sent = std::async(std::launch::async, [&] {
     SendBatch batch(c);
-    send_numbered(c, 0, 4096, 1024);
+    send_numbered(c, 0, n, size);
   });
   ASSERT_EQ(sent.wait_for(30s), std::future_status::ready) << "the batch waited on itself";
   sent.get();
-  EXPECT_EQ(report(c), "4096 0");
+  EXPECT_EQ(report(c), fmt::format("{} 0", n));
   c.shutdown();
   expect_exit_code(c, 0);
+}
+
+// 4 MiB through a 64 KiB high-water mark, all in one batch: each send that
+// finds the gauge full must first hand the batch to the broker, or it
+// would wait for its own frames, which nobody writes.
+TEST(SendBatch, ASendOverTheHighWaterMarkHandsTheBatchOver) {
+  RouterOptions ro = root_opts();
+  ro.high_water_mark = 64 * 1024;
+  expect_one_batch_delivered(ro, 4096, 1024);
 }
 
 // The same with the send queue (the outbox) as the bound: 16 KiB of ring,
 // 2 MiB sent in one batch.
 TEST(SendBatch, AFullSendQueueHandsTheBatchOver) {
-  Broker broker;
   RouterOptions ro = root_opts();
   ro.outbox_size = 16 * 1024;
-  Router router(broker, ro);
-  Context c = fork_child(router, counting_child, named("counter"));
-  ASSERT_EQ(report(c), "0 0");
-  auto sent = std::async(std::launch::async, [&] {
-    SendBatch batch(c);
-    send_numbered(c, 0, 4096, 512);
-  });
-  ASSERT_EQ(sent.wait_for(30s), std::future_status::ready) << "the batch waited on itself";
-  sent.get();
-  EXPECT_EQ(report(c), "4096 0");
-  c.shutdown();
-  expect_exit_code(c, 0);
+  expect_one_batch_delivered(ro, 4096, 512);
 }
 
 TEST(SendBatch, ACallInsideABatchGoesAtOnceAfterWhatWasSentBeforeIt) {
