@@ -32,6 +32,7 @@
 #include <spindle/codec.h>
 #include <spindle/context.h>
 #include <spindle/errors.h>
+#include <spindle/frame.h>
 #include <spindle/payload.h>
 
 namespace spindle {
@@ -128,8 +129,11 @@ struct codec<Sender<T>> {
   static Sender<T> decode_pair(Router& r, const msgpack::object& o) {
     if (o.type != msgpack::type::ARRAY || o.via.array.size != 2)
       throw DecodeError("a Sender is [context id, handle]");
-    return Sender<T>(Context(r, o.via.array.ptr[0].as<std::uint32_t>(), "sender"),
-                     o.via.array.ptr[1].as<std::uint32_t>());
+    const auto handle = o.via.array.ptr[1].as<std::uint32_t>();
+    if (!is_sender_handle(handle))
+      throw DecodeError("a Sender names handle " + std::to_string(handle) +
+                        ", which no Receiver holds (a control or reply handle)");
+    return Sender<T>(Context(r, o.via.array.ptr[0].as<std::uint32_t>(), "sender"), handle);
   }
 };
 

@@ -52,6 +52,13 @@ enum Handle : std::uint32_t {
   kFirstDynamicHandle = 1000,
 };
 
+// What a received Sender may name: a handle a Receiver (or a handler
+// registered by number) holds. Never a control handle (below
+// kFirstDynamicHandle: SHUTDOWN, CALL_SERVICE, ...) nor a call's reply handle
+// (the top bit, router/call_table.h): a callee that sends to a Sender it was
+// given would otherwise send those frames in its own name, for the caller.
+inline constexpr bool is_sender_handle(std::uint32_t h) { return h >= kFirstDynamicHandle && (h >> 31) == 0; }
+
 inline constexpr std::uint32_t kDefaultMaxMessageSize = 128u << 20;  // 128 MiB
 inline constexpr std::uint64_t kMaxMaxMessageSize = 0xffffffffull;   // length is a u32
 

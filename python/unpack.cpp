@@ -15,6 +15,7 @@
 #include <string>
 
 #include <spindle/codec.h>
+#include <spindle/frame.h>
 
 namespace spindle::python {
 namespace {
@@ -110,6 +111,10 @@ py::object unpack_sender(const msgpack::object_ext& ext) {
   for (std::uint32_t i = 0; i < 2; ++i)
     if (o.via.array.ptr[i].type != msgpack::type::POSITIVE_INTEGER || o.via.array.ptr[i].via.u64 > UINT32_MAX)
       throw bad();
+  const auto handle = static_cast<std::uint32_t>(o.via.array.ptr[1].via.u64);
+  if (!is_sender_handle(handle))  // api/frame.h: never a control or reply handle
+    throw py::value_error("spindle: received a Sender of handle " + std::to_string(handle) +
+                          ", which no receiver holds (a control or reply handle)");
   return py::module_::import("spindle._messages")
       .attr("_sender")(o.via.array.ptr[0].via.u64, o.via.array.ptr[1].via.u64);
 }

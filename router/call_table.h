@@ -48,6 +48,7 @@
 
 #include <boost/lockfree/stack.hpp>
 
+#include "spindle/frame.h"
 #include "spindle/function.h"
 #include "spindle/message.h"
 
@@ -57,6 +58,7 @@ class Broker;
 
 inline constexpr std::uint32_t kCallHandleBit = 0x80000000u;
 inline bool is_call_handle(std::uint32_t h) { return (h & kCallHandleBit) != 0; }
+static_assert(!is_sender_handle(kCallHandleBit) && !is_sender_handle(~0u));  // api/frame.h
 
 class CallTable {
  public:

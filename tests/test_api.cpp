@@ -219,6 +219,24 @@ TEST_F(Api, ASenderTravelsAsAnArgumentAndItsReceiverGetsValuesInOrder) {
   EXPECT_EQ(rx.receive_for(20ms), std::nullopt);
 }
 
+// A Sender names where its callee will send, in the callee's own name: one
+// that names a control handle (here the callee's own SHUTDOWN) or a call's
+// reply handle is refused as it is decoded, and the callee sends nothing.
+TEST_F(Api, AReceivedSenderNamingAControlOrReplyHandleIsADecodeError) {
+  for (std::uint32_t handle : {std::uint32_t{spindle::kHandleShutdown}, std::uint32_t{spindle::kHandleCallService},
+                               0x80000001u}) {
+    spindle::Sender<long> forged(rt.context(child.id()), handle);
+    try {
+      child.call(count_to, forged, 1L);
+      ADD_FAILURE() << "handle " << handle << " was taken";
+    } catch (const spindle::CallError& e) {
+      EXPECT_EQ(e.type(), spindle::kDecodeErrorType) << e.what();
+      EXPECT_NE(std::string(e.what()).find("no Receiver holds"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(child.call(square, 3L), 9);  // still there: it did not shut itself down
+}
+
 TEST(ApiChannel, AReceiverWhoseRuntimeIsGoneThrowsShutdownError) {
   std::unique_ptr<spindle::Receiver<long>> rx;
   std::thread waiter;

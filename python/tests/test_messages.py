@@ -131,6 +131,16 @@ def test_a_sender_passed_as_an_argument(router, child):
         assert rx.context_id == router.id
 
 
+def test_a_sender_naming_a_control_or_reply_handle_is_refused(router, child):
+    # The child would send to it in its own name: SHUTDOWN (106) to itself,
+    # CALL_SERVICE (110), or a call's reply handle.
+    for handle in (106, 110, 0x80000001):
+        forged = spindle.Sender(child.id, handle, None)
+        with pytest.raises(spindle.CallError, match="no receiver holds"):
+            child.call(send_each, forged, [1])
+    assert child.call(send_each, router.receiver().sender, []) == 0  # still serving
+
+
 def test_a_sender_comes_back_as_a_result_and_still_sends(router, child):
     with router.receiver() as rx:
         s = child.call(sender_back, rx.sender)
