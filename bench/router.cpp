@@ -9,7 +9,7 @@
 //   throughput  N = 1, 16, 256 pairs of clients (2N connections); each sender
 //               sends 64 B messages (Router::send) to its partner, from up to
 //               4 threads that take their senders in turn, 64 messages per
-//               turn, each turn in one SendBatch (the rows' `_unbatched` twin:
+//               turn, each turn in one SendBatch (the rows' `_no_send_batch` twin:
 //               without); each receiver checks sender, sequence and size. Timed
 //               from the first send to the last receipt. Floor: N writers ->
 //               relay thread -> N readers, taken the same way, 64 frames (one
@@ -344,7 +344,7 @@ int run(const Config& cfg, bench::Report& report) {
                 raw_clients.frames_per_s, raw_clients.relay_cpu_ns_per_frame);
     const std::string suffix = fmt::format("{}_clients", n);
     report.add("routed_throughput_" + suffix, rate, "msgs/s", floor.frames_per_s);
-    report.add("routed_throughput_" + suffix + "_unbatched", msgs / secs_unbatched, "msgs/s",
+    report.add("routed_throughput_" + suffix + "_no_send_batch", msgs / secs_unbatched, "msgs/s",
                floor.frames_per_s);
     report.add("relay_unbatched_throughput_" + suffix, unbatched.frames_per_s, "msgs/s",
                floor.frames_per_s);
@@ -353,7 +353,7 @@ int run(const Config& cfg, bench::Report& report) {
     report.add("router_cpu_ns_per_msg_" + suffix, router_cpu / msgs, "ns/msg",
                floor.relay_cpu_ns_per_frame);
     report.add("client_cpu_ns_per_msg_" + suffix, client_cpu / msgs, "ns/msg");
-    report.add("client_cpu_ns_per_msg_" + suffix + "_unbatched", client_cpu_unbatched / msgs, "ns/msg");
+    report.add("client_cpu_ns_per_msg_" + suffix + "_no_send_batch", client_cpu_unbatched / msgs, "ns/msg");
     const std::string raw_suffix = fmt::format("{}_raw_clients", n);
     report.add("routed_throughput_" + raw_suffix, raw_clients.frames_per_s, "msgs/s", floor.frames_per_s);
     report.add("router_cpu_ns_per_msg_" + raw_suffix, raw_clients.relay_cpu_ns_per_frame, "ns/msg",
