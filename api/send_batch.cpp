@@ -1,7 +1,9 @@
 // A batch is a thread-local mark naming the runtime's link (Router::
 // gather_sends); the router reads it on each one-way send. Ending the
 // outermost batch of a runtime wakes its broker once; an inner one of the
-// same runtime leaves that to the outer.
+// same runtime leaves that to the outer. Ending closes the mark wherever it
+// runs, so a batch ended on another thread never leaves its own thread
+// gathering without a wake-up.
 #include "spindle/send_batch.h"
 
 #include <mutex>
@@ -18,12 +20,13 @@ SendBatch::SendBatch(const Context& through) : link_(through.link_) {
   std::shared_lock lk(link_->mu);
   if (!link_->router)
     throw ShutdownError(fmt::format("SendBatch: the runtime of context {} has been destroyed", through.id()));
-  previous_ = Router::gather_sends(link_.get());
+  Router::GatherMarks marks = Router::gather_sends(link_.get());
+  mine_ = std::move(marks.mine);
+  previous_ = std::move(marks.previous);
 }
 
 SendBatch::~SendBatch() {
-  Router::gather_sends(static_cast<const detail::RouterLink*>(previous_));
-  if (previous_ == link_.get()) return;  // the outer batch of this runtime hands over
+  if (Router::end_gather({std::move(mine_), std::move(previous_)})) return;  // the outer one hands over
   std::shared_lock lk(link_->mu);
   if (link_->router) link_->router->hand_over_sends();
 }

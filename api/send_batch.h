@@ -24,9 +24,10 @@
 // a message it sent: that message may not have left.
 //
 // Thread safety: belongs to the thread that made it; destroy it there, in
-// reverse order of construction (batches nest). Ownership: holds the
-// runtime's link, not the runtime: a batch that outlives its runtime ends
-// quietly.
+// reverse order of construction (batches nest). Ended on another thread (a
+// coroutine resumed elsewhere), it still ends: the thread that made it stops
+// gathering, and its broker is woken. Ownership: holds the runtime's link,
+// not the runtime: a batch that outlives its runtime ends quietly.
 #pragma once
 
 #include <memory>
@@ -45,7 +46,9 @@ class SendBatch {
 
  private:
   std::shared_ptr<detail::RouterLink> link_;
-  const void* previous_ = nullptr;  // the batch this one nests in (restored at the end)
+  // This batch's mark on its thread, and the one it replaced (restored at
+  // the end): Router::GatherMarks.
+  std::shared_ptr<void> mine_, previous_;
 };
 
 }  // namespace spindle

@@ -40,7 +40,6 @@
 #include <mutex>
 #include <optional>
 #include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -342,23 +341,19 @@ struct PyPort {
 };
 
 // `with router.batch():` (spindle::SendBatch). The batch is a mark on the
-// thread that entered it, so it must be left on that thread.
+// thread that entered it; left on another thread (a generator closed by the
+// collector), it still ends, and that thread stops gathering.
 struct PyBatch {
   explicit PyBatch(Context c) : self(std::move(c)) {}
   Context self;
   std::optional<SendBatch> batch;
-  std::thread::id thread;
 
   PyBatch& enter() {
     if (batch) throw py::value_error("spindle: this batch is already open (make one per `with`)");
     batch.emplace(self);
-    thread = std::this_thread::get_id();
     return *this;
   }
   bool exit(const py::args&) {
-    if (!batch) return false;
-    if (thread != std::this_thread::get_id())
-      throw py::value_error("spindle: a batch must be left on the thread that entered it");
     batch.reset();  // wakes the broker once: no wait, so the GIL is kept
     return false;
   }

@@ -164,12 +164,21 @@ class Router : public StreamListener, public ShutdownParticipant {
   // The same for bytes the caller keeps (copied; no Payload is built).
   void send(std::uint32_t dst, std::uint32_t handle, std::span<const std::uint8_t> bytes,
             std::uint16_t enc = kEncRaw, std::chrono::milliseconds timeout = kDefaultSendTimeout);
-  // SendBatch (api/send_batch.h): while `link` is this thread's, its
-  // router's send()s from this thread are queued without a wake-up and never
-  // written on this thread. Returns the link it replaces (batches nest). The
-  // link, not the Router, names the batch: the batch holds it, so its address
-  // cannot pass to another router meanwhile.
-  static const detail::RouterLink* gather_sends(const detail::RouterLink* link);
+  // SendBatch (api/send_batch.h): while this thread's mark is open and
+  // names `link`, its router's send()s from this thread are queued without a
+  // wake-up and never written on this thread. gather_sends() makes the mark
+  // and returns it with the one it replaces (batches nest). The link, not
+  // the Router, names the batch: the batch holds it, so its address cannot
+  // pass to another router meanwhile.
+  struct GatherMarks {
+    std::shared_ptr<void> mine, previous;
+  };
+  static GatherMarks gather_sends(const detail::RouterLink* link);
+  // Closes `marks.mine` from any thread (a batch left on another thread
+  // leaves a closed mark behind, never one that gathers for ever); on the
+  // thread whose mark it is, the previous one is restored. True if an open
+  // batch of the same runtime encloses it: that one hands over.
+  static bool end_gather(GatherMarks marks);
   // The end of a batch: the broker takes what it gathered (one wake-up).
   void hand_over_sends() { broker_.wake(); }
   // Like send(), but never waits: a destination queue at its high-water mark

@@ -21,6 +21,8 @@
 // A message to this context itself is dispatched without a stream: a reply
 // to a blocking call completes it on the sending thread, a handler that may
 // run anywhere runs there, and anything else goes through the broker.
+#include <atomic>
+#include <memory>
 #include <utility>
 
 #include <fmt/format.h>
@@ -44,13 +46,31 @@ struct CachedRoute {
 constexpr std::size_t kRouteCacheSize = 16;
 thread_local CachedRoute t_routes[kRouteCacheSize];
 
-// The runtime whose one-way sends this thread gathers (SendBatch).
-thread_local const detail::RouterLink* t_gathering = nullptr;
+// A SendBatch's mark: the runtime whose one-way sends the thread gathers,
+// while open. Shared, so that a batch ended on another thread (a coroutine
+// resumed elsewhere, a Python generator closed by the collector) can close
+// it: the thread then stops gathering instead of never waking its broker.
+struct GatherMark {
+  const detail::RouterLink* link;
+  std::atomic<bool> open{true};
+};
+thread_local std::shared_ptr<GatherMark> t_gathering;
 
 }  // namespace
 
-const detail::RouterLink* Router::gather_sends(const detail::RouterLink* link) {
-  return std::exchange(t_gathering, link);
+Router::GatherMarks Router::gather_sends(const detail::RouterLink* link) {
+  auto mine = std::make_shared<GatherMark>();
+  mine->link = link;
+  return {mine, std::exchange(t_gathering, mine)};
+}
+
+bool Router::end_gather(GatherMarks marks) {
+  auto* mine = static_cast<GatherMark*>(marks.mine.get());
+  // seq_cst: pairs with the re-check after a gathered push in submit().
+  mine->open.store(false);
+  auto* previous = static_cast<GatherMark*>(marks.previous.get());
+  if (t_gathering.get() == mine) t_gathering = std::static_pointer_cast<GatherMark>(std::move(marks.previous));
+  return previous && previous->link == mine->link && previous->open.load();
 }
 
 Router::PortRef Router::port_for(std::uint32_t dst) {
@@ -125,7 +145,9 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
   h.length = static_cast<std::uint32_t>(size);
   if (msg) msg->header = h;
   const bool on_broker = broker_.on_broker_thread();
-  const bool gathered = one_way && !on_broker && t_gathering == link_.get();
+  const GatherMark* mark = t_gathering.get();
+  const bool gathered = one_way && !on_broker && mark && mark->link == link_.get() &&
+                        mark->open.load(std::memory_order_relaxed);
   if (h.dst_id == id() && deliver_here(h, bytes, msg)) {
     // The frame skipped the outbox, where an async call's deadline is armed.
     if (async_slot) arm_deadline(async_slot, futex::deadline_after(timeout));
@@ -215,7 +237,15 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
     throw QueueFullError(fmt::format("{}: the send queue of this context ({} bytes) stayed full",
                                      reason::kQueueFull, outbox_.capacity()));
   }
-  if (!gathered) broker_.wake();
+  // A batch closed meanwhile by another thread (end_gather) may have woken
+  // the broker before this record was published: either its close is seen
+  // here, or its wake-up comes after the record (both sides seq_cst).
+  if (!gathered) {
+    broker_.wake();
+  } else {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (!mark->open.load(std::memory_order_relaxed)) broker_.wake();
+  }
 }
 
 // A message to this context, sent from any thread. Returns false if it must

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -158,6 +159,28 @@ TEST(SendBatch, AnInnerBatchLeavesTheHandOverToTheOuterOne) {
   }
   EXPECT_EQ(after_inner, before) << "the inner batch's end woke the broker";
   EXPECT_EQ(report(c), "300 0");
+}
+
+// A batch ended on another thread (a coroutine resumed elsewhere) hands its
+// sends over, and the thread that made it stops gathering: its next sends
+// are written or wake the broker, never left waiting for a batch that ended.
+TEST(SendBatch, ABatchEndedOnAnotherThreadStopsGathering) {
+  Broker broker;
+  Router router(broker, root_opts());
+  Context c = fork_child(router, counting_child, named("counter"));
+  ASSERT_EQ(report(c), "0 0");
+  auto batch = std::make_unique<SendBatch>(c);
+  send_numbered(c, 0, 100);
+  std::thread([&] { batch.reset(); }).join();
+  EXPECT_EQ(report(c), "100 0");
+  // router.stats() asks the broker thread, which wakes it: outside the count.
+  const auto direct = router.stats().direct_writes;
+  const auto wakes = broker.stats().wakeups_posted;
+  send_numbered(c, 100, 100);
+  const auto woken = broker.stats().wakeups_posted - wakes;
+  const auto written = router.stats().direct_writes - direct;
+  EXPECT_GT(woken + written, 0u) << "this thread still gathers for a batch that ended";
+  EXPECT_EQ(report(c), "200 0");
 }
 
 // A batch that outlives its runtime ends quietly (ASan: nothing freed is
