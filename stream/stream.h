@@ -316,6 +316,7 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   void watch_body();  // untrusted: times the large body under way
   void watch_fds();   // untrusted: times the fds not yet bound to a frame
   void watch_partial();  // untrusted: times a small frame left unfinished
+  bool partial_frame_waits_on_peer() const;
   bool holds_unbound_fds() const { return !rx_fds_.empty() || batch_left_ > 0; }
  public:
   void resume_reading();  // via ReadResumer, on the broker thread

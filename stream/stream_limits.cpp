@@ -200,9 +200,7 @@ void Stream::note_below_mark() {
 // paused or held: then the wait is ours (reading resumes through
 // process_input, which times the frame afresh).
 void Stream::watch_partial() {
-  if (!opts_.untrusted || opts_.stall_timeout.count() <= 0 || rx_.readable() == 0 || paused_ ||
-      input_stopped() || parser_->body_wants_bytes())
-    return;
+  if (!opts_.untrusted || opts_.stall_timeout.count() <= 0 || !partial_frame_waits_on_peer()) return;
   // One wait at a time, never re-armed per batch (most reads end inside a
   // frame: that would cost a timer cancel and completion per read). When it
   // fires after frames were completed, the frame partial then gets a wait of
@@ -216,13 +214,18 @@ void Stream::watch_partial() {
   partial_timer_.async_wait([self = shared_from_this(), allowed](const std::error_code& ec) {
     if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed) return;
     self->partial_watched_ = false;
-    if (self->stats_.messages_in != self->partial_mark_ || self->rx_.readable() == 0 || self->paused_ ||
-        self->input_stopped() || self->parser_->body_wants_bytes())
+    if (self->stats_.messages_in != self->partial_mark_ || !self->partial_frame_waits_on_peer())
       return self->watch_partial();  // it finished (a later one may be partial), or waits for us
     self->close(fmt::format("the peer left a frame unfinished for {} ms ({} bytes of it arrived; a "
                             "frame must arrive at {} MiB/s or faster once begun)",
                             allowed.count(), self->rx_.readable(), kMinBodyRate >> 20));
   });
+}
+
+// Part of a small frame waits in the receive chunks, and on the peer: not
+// on us (reading paused or held), nor a large body's own buffer (watch_body).
+bool Stream::partial_frame_waits_on_peer() const {
+  return rx_.readable() > 0 && !paused_ && !input_stopped() && !parser_->body_wants_bytes();
 }
 
 // An untrusted peer's fds are held from their arrival until the frame they

@@ -67,10 +67,18 @@ void send_numbered(const Context& c, std::uint64_t first, int n, std::size_t siz
 
 std::string report(const Context& c) { return c.call(kReport, std::string_view(""), 20s); }
 
-TEST(SendBatch, ItsSendsLeaveTogetherInOrderWhenItEnds) {
+// This process's broker and router, and a counting child forked from them.
+struct Counted {
+  explicit Counted(RouterOptions ro = root_opts())
+      : router(broker, std::move(ro)), c(fork_child(router, counting_child, named("counter"))) {}
   Broker broker;
-  Router router(broker, root_opts());
-  Context c = fork_child(router, counting_child, named("counter"));
+  Router router;
+  Context c;
+};
+
+TEST(SendBatch, ItsSendsLeaveTogetherInOrderWhenItEnds) {
+  Counted t;
+  auto& [broker, router, c] = t;
   ASSERT_EQ(report(c), "0 0");
 
   const auto before = broker.stats().wakeups_posted;
@@ -96,9 +104,8 @@ TEST(SendBatch, ItsSendsLeaveTogetherInOrderWhenItEnds) {
 // `n` messages of `size` bytes sent in one batch, from a thread of their
 // own, must all arrive in order within 30 s under the bounds `ro` sets.
 void expect_one_batch_delivered(RouterOptions ro, int n, std::size_t size) {
-  Broker broker;
-  Router router(broker, ro);
-  Context c = fork_child(router, counting_child, named("counter"));
+  Counted t(std::move(ro));
+  const Context& c = t.c;
   ASSERT_EQ(report(c), "0 0");
   auto sent = std::async(std::launch::async, [&] {
     SendBatch batch(c);
@@ -129,9 +136,8 @@ TEST(SendBatch, AFullSendQueueHandsTheBatchOver) {
 }
 
 TEST(SendBatch, ACallInsideABatchGoesAtOnceAfterWhatWasSentBeforeIt) {
-  Broker broker;
-  Router router(broker, root_opts());
-  Context c = fork_child(router, counting_child, named("counter"));
+  Counted t;
+  auto& [broker, router, c] = t;
   ASSERT_EQ(report(c), "0 0");
   SendBatch batch(c);
   send_numbered(c, 0, 10);
@@ -141,9 +147,8 @@ TEST(SendBatch, ACallInsideABatchGoesAtOnceAfterWhatWasSentBeforeIt) {
 }
 
 TEST(SendBatch, AnInnerBatchLeavesTheHandOverToTheOuterOne) {
-  Broker broker;
-  Router router(broker, root_opts());
-  Context c = fork_child(router, counting_child, named("counter"));
+  Counted t;
+  auto& [broker, router, c] = t;
   ASSERT_EQ(report(c), "0 0");
   const auto before = broker.stats().wakeups_posted;
   std::uint64_t after_inner = 0;
@@ -165,9 +170,8 @@ TEST(SendBatch, AnInnerBatchLeavesTheHandOverToTheOuterOne) {
 // sends over, and the thread that made it stops gathering: its next sends
 // are written or wake the broker, never left waiting for a batch that ended.
 TEST(SendBatch, ABatchEndedOnAnotherThreadStopsGathering) {
-  Broker broker;
-  Router router(broker, root_opts());
-  Context c = fork_child(router, counting_child, named("counter"));
+  Counted t;
+  auto& [broker, router, c] = t;
   ASSERT_EQ(report(c), "0 0");
   auto batch = std::make_unique<SendBatch>(c);
   send_numbered(c, 0, 100);
@@ -191,9 +195,8 @@ TEST(SendBatch, ABatchMayOutliveItsRuntime) {
   rt.reset();
   batch.reset();
 
-  Broker broker;
-  Router router(broker, root_opts());
-  Context c = fork_child(router, counting_child, named("counter"));
+  Counted t;
+  auto& [broker, router, c] = t;
   send_numbered(c, 0, 10);
   EXPECT_EQ(report(c), "10 0");
   const Context orphan = [] {
