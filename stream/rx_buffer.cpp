@@ -4,19 +4,44 @@
 #include <cassert>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace spindle {
+namespace {
 
-std::shared_ptr<Chunk> RxBuffer::new_chunk() {
-  if (spare_) return std::move(spare_);
-  return std::make_shared<Chunk>(kChunkSize);
-}
+// The chunks nobody holds, kept for this thread's next read. A broker thread
+// reads its streams one at a time and most let their chunk go before the
+// next reads, so a few cover any number of connections; more are freed.
+class ChunkPool {
+ public:
+  ChunkPool() { free_.reserve(kPooledChunks); }
+  std::shared_ptr<Chunk> take() {
+    if (free_.empty()) return std::make_shared<Chunk>(kChunkSize);
+    std::shared_ptr<Chunk> c = std::move(free_.back());
+    free_.pop_back();
+    return c;
+  }
+  void give(std::shared_ptr<Chunk> c) {
+    if (free_.size() < kPooledChunks && c->capacity() == kChunkSize) free_.push_back(std::move(c));
+  }
 
-// A chunk leaves the deque: kept as the spare if nobody holds it, otherwise
-// charged to the peer until the payloads holding it are gone.
-void RxBuffer::retire(std::shared_ptr<Chunk> c) {
+ private:
+  static constexpr std::size_t kPooledChunks = 4;
+  std::vector<std::shared_ptr<Chunk>> free_;
+};
+
+thread_local ChunkPool chunk_pool;
+
+}  // namespace
+
+std::shared_ptr<Chunk> RxBuffer::new_chunk() { return chunk_pool.take(); }
+
+// A chunk leaves the deque: back to the pool if nobody holds it (or freed,
+// off the broker thread), otherwise charged to the peer until the payloads
+// holding it are gone.
+void RxBuffer::retire(std::shared_ptr<Chunk> c, bool to_pool) {
   if (c.use_count() == 1) {
-    if (!spare_) spare_ = std::move(c);
+    if (to_pool) chunk_pool.give(std::move(c));
     return;
   }
   if (account_) {
@@ -26,7 +51,14 @@ void RxBuffer::retire(std::shared_ptr<Chunk> c) {
 }
 
 RxBuffer::~RxBuffer() {
-  for (std::shared_ptr<Chunk>& c : chunks_) retire(std::move(c));
+  for (std::shared_ptr<Chunk>& c : chunks_) retire(std::move(c), /*to_pool=*/false);
+}
+
+void RxBuffer::let_go() {
+  if (readable_ != 0 || chunks_.size() != 1 || chunks_.front().use_count() != 1) return;
+  retire(std::move(chunks_.front()));
+  chunks_.clear();
+  head_ = tail_ = 0;
 }
 
 std::span<std::uint8_t> RxBuffer::write_space() {

@@ -7,18 +7,26 @@
 // after the payload's range may still be appended to it, which is safe because
 // nobody reads them until they are committed.
 //
-// Memory: a chunk is reused in place once nobody else holds it, and one spare
-// is kept, so a peer whose messages are handled and let go costs no
-// allocation per chunk (a small frame's start at the end of a full chunk is
-// copied to the next, so that no frame holds two). A chunk retired while
-// payloads still hold it is charged, whole, to the peer's account until they
-// let go (a 64-byte message kept by a handler pins 128 KiB, and that is what
-// it costs). So is every chunk still held when the buffer goes (its stream
-// closed): before, the chunk being filled was charged to nobody once its
-// peer left, and a peer that reconnected in a loop, each time leaving one
-// message queued somewhere, pinned 128 KiB per connection uncharged.
+// Memory: a chunk is reused in place once nobody else holds it, and a small
+// frame's start at the end of a full chunk is copied to the next, so that no
+// frame holds two. A chunk nobody holds goes back to its thread's pool (a
+// few chunks, LIFO) when it retires, and so does the one left when the
+// stream waits for input with nothing unread (let_go()). So an idle
+// connection holds no receive memory, a broker's streams take turns with a
+// few warm chunks, and a peer whose messages are handled and let go costs no
+// allocation per chunk. Before the pool, each connection kept its chunk and
+// a spare, and a router with 256 busy clients held 64 MiB in them.
 //
-// Thread safety: owned by one Stream and used only on the broker thread.
+// A chunk retired while payloads still hold it is charged, whole, to the
+// peer's account until they let go (a 64-byte message kept by a handler
+// pins 128 KiB, and that is what it costs). So is every chunk still held
+// when the buffer goes (its stream closed): before, the chunk being filled
+// was charged to nobody once its peer left, and a peer that reconnected in a
+// loop, each time leaving one message queued somewhere, pinned 128 KiB per
+// connection uncharged.
+//
+// Thread safety: owned by one Stream and used only on the broker thread (the
+// pool is the thread's own; the destructor, which may run elsewhere, frees).
 #pragma once
 
 #include <cstddef>
@@ -61,6 +69,10 @@ class RxBuffer {
   template <class F>
   void visit(std::size_t offset, std::size_t n, F&& fn) const;
 
+  // With nothing unread and nobody else holding its chunk, gives the chunk
+  // back to this thread's pool (the stream is about to wait for input).
+  void let_go();
+
   std::size_t readable() const { return readable_; }
   std::size_t chunk_count() const { return chunks_.size(); }
   // Chunks retired while still held get charged here (may be null).
@@ -70,10 +82,9 @@ class RxBuffer {
   std::shared_ptr<Chunk> new_chunk();
   void move_tail_to_fresh_chunk();
   void release_consumed_front();
-  void retire(std::shared_ptr<Chunk> c);
+  void retire(std::shared_ptr<Chunk> c, bool to_pool = true);
 
   std::shared_ptr<Account> account_;
-  std::shared_ptr<Chunk> spare_;
   std::deque<std::shared_ptr<Chunk>> chunks_;
   std::size_t head_ = 0;  // read offset in chunks_.front()
   std::size_t tail_ = 0;  // write offset in chunks_.back()

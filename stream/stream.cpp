@@ -264,6 +264,7 @@ void Stream::start() {
 // it is used only when the last read came up short (the socket is probably
 // empty); after a full read the next read is posted instead.
 void Stream::arm_read() {
+  rx_.let_go();  // while it waits, an idle connection holds no receive chunk
   if (read_armed_ || !may_read()) return;
   if (over_limit()) return;
   read_armed_ = true;

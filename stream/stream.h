@@ -217,6 +217,9 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   void set_name(std::string name);
   const PeerInfo& peer() const { return peer_; }
   const StreamStats& stats() const { return stats_; }
+  // Receive chunks the stream holds: none while it waits for input with
+  // nothing unread and no message holding its chunk.
+  std::size_t receive_chunks() const { return rx_.chunk_count(); }
   std::size_t queued_frames() const { return tx_.frames_queued() + (tx_.queued_bytes() ? 1 : 0); }
   OutputGauge& gauge() { return port_->gauge; }
   const std::shared_ptr<StreamPort>& port() const { return port_; }

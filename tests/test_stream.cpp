@@ -119,6 +119,42 @@ TEST(StreamTransport, MessagesBothWaysOverPipePair) {
   close_fd(out.a);
 }
 
+// An idle connection holds no receive chunk once its messages are let go
+// (RxBuffer::let_go, as the stream waits for input), so a router with many
+// quiet clients holds no 128 KiB per client. While a message still holds
+// the chunk, the chunk stays.
+TEST(StreamTransport, AnIdleStreamHoldsNoReceiveChunk) {
+  // Keeps messages until told to let them go as they arrive.
+  struct Releaser : Recorder {
+    bool keep = true;  // under mu
+    std::size_t let_go = 0;
+    void on_stream_message(Stream& s, Message&& m) override {
+      if (std::lock_guard lk(mu); !keep) {
+        ++let_go;
+        cv.notify_all();
+        return;
+      }
+      Recorder::on_stream_message(s, std::move(m));
+    }
+  } rec;
+  StreamHarness h;
+  FdPair sp = make_socketpair();
+  Stream* s = h.make(sp.a, sp.a, &rec);
+  ASSERT_TRUE(write_all(sp.b, frame_bytes(1000, "kept")));
+  ASSERT_TRUE(rec.wait_messages(1));
+  EXPECT_EQ(h.on([&] { return s->receive_chunks(); }), 1u) << "the kept message holds the chunk";
+  h.on([&] {
+    std::lock_guard lk(rec.mu);
+    rec.keep = false;
+    rec.messages.clear();
+  });
+  ASSERT_TRUE(write_all(sp.b, frame_bytes(1001, "let go")));
+  ASSERT_TRUE(rec.wait([&] { return rec.let_go == 1; }));
+  EXPECT_EQ(h.on([&] { return s->receive_chunks(); }), 0u);
+  h.teardown();
+  close_fd(sp.b);
+}
+
 TEST(StreamTransport, TwoStreamsOnOneBrokerTalk) {
   Recorder ra, rb;
   StreamHarness h;
