@@ -37,6 +37,7 @@ std::shared_ptr<Stream> Router::add_client_stream(int fd, const std::string& nam
   l.client = opts;
   l.state = Charge(std::make_shared<Account>(opts_.peer_memory_limit, state_budget_), 0);
   ++clients_;
+  ++clients_by_uid_[opts.uid];
   s->start();
   return s;
 }

@@ -288,6 +288,8 @@ void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsen
     log().info("stream={} lost the parent: {}", s.name(), why);
   } else if (link->client) {
     --clients_;
+    if (auto it = clients_by_uid_.find(link->client->uid); it != clients_by_uid_.end() && --it->second == 0)
+      clients_by_uid_.erase(it);
     if (link->remote_id != 0) {
       std::lock_guard lk(ports_mu_);
       client_uids_.erase(link->remote_id);

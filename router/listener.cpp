@@ -185,6 +185,10 @@ Listener::Listener(Router& router, ListenerOptions opts, bool from_systemd, std:
       socket_(router.broker().io()), pause_(router.broker().io()), from_systemd_(from_systemd),
       address_text_(std::move(address)), reserve_fd_(open_reserve()) {
   if (opts_.allowed_uids.empty()) opts_.allowed_uids.push_back(::geteuid());
+  // Each uid once: the uids allowed divide max_clients between them.
+  std::sort(opts_.allowed_uids.begin(), opts_.allowed_uids.end());
+  opts_.allowed_uids.erase(std::unique(opts_.allowed_uids.begin(), opts_.allowed_uids.end()),
+                           opts_.allowed_uids.end());
 }
 
 Listener::~Listener() {
@@ -313,13 +317,12 @@ void Listener::admit(int fd) {
     return;
   }
   const std::size_t n = router_.client_count();
-  const bool full = opts_.max_clients != 0 && n >= opts_.max_clients;
-  if (full) {
+  std::string full_reason = refusal_for_room(cr.uid, n);
+  if (!full_reason.empty()) {
     ++stats_.refused_full;
     static SummaryLog refused_full(spdlog::level::warn);
     refused_full.note([&] {
-      return fmt::format("listener: refused client pid={} uid={}: {} clients connected (max-clients {})",
-                         cr.pid, cr.uid, n, opts_.max_clients);
+      return fmt::format("listener: refused client pid={} uid={}: {}", cr.pid, cr.uid, full_reason);
     });
     if (n >= opts_.max_clients + kRefusalSlots) {
       ::close(fd);
@@ -327,9 +330,6 @@ void Listener::admit(int fd) {
     }
   }
   Router* router = &router_;
-  std::string full_reason =
-      full ? fmt::format("router full: {} clients connected (max-clients {})", n, opts_.max_clients)
-           : std::string();
   auto hs = std::make_unique<ListenerHandshake>(
       router_.id(), static_cast<std::uint32_t>(::getpid()),
       // What the client's stream will read (an untrusted peer's limit).
@@ -350,6 +350,26 @@ void Listener::admit(int fd) {
   o.pid = static_cast<std::uint32_t>(cr.pid);
   o.uid = cr.uid;
   router_.add_client_stream(fd, fmt::format("client.pid{}", cr.pid), std::move(hs), o);
+}
+
+// Room for one more client of `uid` while `n` are connected: "" if there is,
+// otherwise the refusal. One uid may not fill the router for the others:
+// past three quarters of max_clients, a uid that holds its share already
+// (max_clients divided among the uids allowed) is refused, so the last
+// quarter stays for the uids under theirs. A hostile user cannot lock the
+// others out by connecting in a loop, and a busy one still has the room
+// nobody else uses. With one uid allowed its share is the whole.
+std::string Listener::refusal_for_room(uid_t uid, std::size_t n) const {
+  const std::size_t max = opts_.max_clients;
+  if (max == 0) return {};
+  if (n >= max) return fmt::format("router full: {} clients connected (max-clients {})", n, max);
+  const std::size_t share = max / opts_.allowed_uids.size();
+  const std::size_t mine = router_.clients_of_uid(uid);
+  if (n >= max - max / 4 && mine >= share)
+    return fmt::format("router full for uid {}: it has {} of {} clients connected, and its share of "
+                       "max-clients {} among {} uids is {}",
+                       uid, mine, n, max, opts_.allowed_uids.size(), share);
+  return {};
 }
 
 // Idempotent; also cleans up after a listener that was opened but never started.

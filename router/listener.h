@@ -15,7 +15,9 @@
 //   2. max_clients bounds every client, handshaking ones included. A client
 //      over the limit still gets a readable refusal (Spindle "SPNO"; a Mitogen
 //      client is closed) while a few refusal slots remain; past those it is
-//      closed at once.
+//      closed at once. Past three quarters of it, a uid holding its share
+//      (max_clients / allowed uids) is refused the same way: no uid can lock
+//      the others out (dbus-broker's per-user quotas make the same promise).
 //   3. Out of file descriptors (EMFILE/ENFILE on accept): logged, and the
 //      pending connection is refused using a reserved fd, so the loop neither
 //      spins nor leaves clients hanging in the backlog. If even the reserve is
@@ -87,6 +89,7 @@ class Listener : public ShutdownParticipant {
   void arm_accept();
   void accept_ready();
   void admit(int fd);
+  std::string refusal_for_room(uid_t uid, std::size_t connected) const;
   enum class FdShortage { kRefusedOne, kBacklogEmpty, kPaused };
   FdShortage out_of_fds(int err);
   void stop_accepting();

@@ -246,6 +246,11 @@ class Router : public StreamListener, public ShutdownParticipant {
   // Client links, including those still handshaking (any thread; exact on
   // the broker thread, a snapshot elsewhere).
   std::size_t client_count() const { return clients_.load(std::memory_order_relaxed); }
+  // Broker thread: client links of `uid`, handshaking ones included.
+  std::size_t clients_of_uid(std::uint32_t uid) const {
+    auto it = clients_by_uid_.find(uid);
+    return it == clients_by_uid_.end() ? 0 : it->second;
+  }
   // Any thread except the broker's after it stopped: a snapshot of the clients.
   std::vector<ClientStats> client_stats();
   // Any thread: whose share a message from `auth_id` counts against where
@@ -475,6 +480,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::unordered_map<Stream*, std::unique_ptr<Link>> links_;
   std::unordered_map<std::uint64_t, Link*> links_by_port_;
   std::atomic<std::size_t> clients_{0};
+  std::unordered_map<std::uint32_t, std::size_t> clients_by_uid_;  // broker thread
   std::unordered_map<std::uint32_t, Link*> routes_;
   // For each context, the links that sent to it: told when it goes (DEL_ROUTE).
   std::unordered_map<std::uint32_t, std::unordered_set<Link*>> talkers_;

@@ -245,6 +245,51 @@ TEST(Listener, MaxClientsRefusesWithTheReason) {
   EXPECT_NO_THROW(r.client());
 }
 
+// With two uids allowed, max-clients 8 gives each a share of 4. One uid
+// may go past its share while the router has room (6 = three quarters),
+// then it is refused with the reason, and the room left is the other uid's
+// (checked as uid 65534 when the test runs as root). A departure gives the
+// first uid its room back.
+TEST(Listener, OneUidCannotTakeTheRoomLeftForTheOthers) {
+  ListenerOptions lo;
+  lo.max_clients = 8;
+  lo.allowed_uids = {::geteuid(), 65534, ::geteuid()};  // a repeated uid counts once
+  lo.address = UnixAddress::parse(fmt::format("@spindle-test-share-{}", ::getpid()));
+  InProcessRouter r(lo);
+  std::vector<std::unique_ptr<Connection>> mine;
+  for (int i = 0; i < 6; ++i) ASSERT_NO_THROW(mine.push_back(r.client())) << "client " << i;
+  try {
+    r.client();
+    FAIL() << "a seventh client of one uid took the room left for the other";
+  } catch (const Error& e) {
+    EXPECT_TRUE(contains(e.what(), fmt::format("router full for uid {}: it has 6 of 6 clients", ::geteuid())))
+        << e.what();
+    EXPECT_TRUE(contains(e.what(), "its share of max-clients 8 among 2 uids is 4")) << e.what();
+  }
+  EXPECT_EQ(r.listener().stats().refused_full, 1u);
+  if (::geteuid() == 0) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(10);
+      try {
+        RawPeer peer = RawPeer::connect_to(lo.address);
+        peer.handshake();
+        ::_exit(peer.goodbye() ? 0 : 11);
+      } catch (...) {
+        ::_exit(12);
+      }
+    }
+    int st = 0;
+    ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the other uid was refused: " << describe_wait_status(st);
+  }
+  mine.back()->close();
+  mine.pop_back();
+  for (int i = 0; i < 500 && r.router().client_count() > 5; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_NO_THROW(mine.push_back(r.client()));
+}
+
 // A same-uid process that connects and goes in a loop (each handshake
 // completes: a client's arrival and departure) costs a bounded number of
 // log lines, not two per connection.

@@ -51,7 +51,7 @@ options:
   --log-level LEVEL        trace, debug, info, warn, error, critical or off (info)
   --max-message-size SIZE  largest payload accepted, e.g. 65536, 64K, 128M (128M)
   --max-clients N          clients at once, handshaking ones included; 0 = no
-                           limit (4096)
+                           limit (4096); the uids allowed share it
   --handshake-timeout DUR  close clients that have not completed the handshake
                            in time, e.g. 500ms, 10s (10s)
   --unidirectional         clients may reach the router only, not each other
