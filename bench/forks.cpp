@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "bench/child_start.h"
+#include "bench/proc_status.h"
 #include "bench/report.h"
 #include "tests/forks_scaling.h"
 
@@ -157,7 +158,9 @@ int main(int argc, char** argv) {
       o.workers = n;
       o.burst = burst;
       o.calls = calls;
+      const bool peak_reset = bench::reset_peak_rss(router.pid());
       scaling::Result r = scaling::run(o);
+      const double router_peak_mib = bench::status_kib(router.pid(), "VmHWM") / 1024.0;
       total_failures += r.failures;
       std::printf("%-14s %6d %10.1f %12.3f %12.1f %9d %14.1f %14.3f\n", burst ? "burst" : "one-at-a-time",
                   n, r.wall_ms, r.wall_ms / n, r.slowest_ms, r.failures, r.raw_fork_exit_ms,
@@ -168,6 +171,9 @@ int main(int argc, char** argv) {
       report.add(name + "_ms_per_worker", r.wall_ms / n, "ms", r.raw_fork_exit_ms / n);
       report.add(name + "_slowest_ms", r.slowest_ms, "ms");
       report.add(name + "_failures", r.failures, "workers");
+      // What N connections cost the router: an idle one holds no receive
+      // chunk (stream/rx_buffer.h). The peak since start if the reset failed.
+      if (burst) report.add(name + "_router_peak_rss_MiB" + (peak_reset ? "" : "_since_start"), router_peak_mib, "MiB");
     }
   }
   // Issue 12's target: at most 1.5x the fork+exit floor of the same run, no

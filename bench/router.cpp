@@ -55,6 +55,7 @@
 #include <fmt/format.h>
 
 #include "bench/alloc_count.h"
+#include "bench/proc_status.h"
 #include "bench/relay_floor.h"
 #include "bench/report.h"
 #include "bench/router_pairs.h"
@@ -100,14 +101,6 @@ void raise_fd_limit() {  // 512 clients, each a broker and a socket
   }
 }
 
-// A field of /proc/<pid>/status in KiB (-1 if absent).
-long status_kib(pid_t pid, const std::string& key) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind(key + ":", 0) == 0) return std::atol(line.c_str() + key.size() + 1);
-  return -1;
-}
-
 // CPU time (user + sys, every thread) of process `pid`, or of this process
 // when pid is 0, in ns. For another process: the sum of its threads' run
 // time from /proc/<pid>/task/*/schedstat (ns; the router's threads live for
@@ -147,15 +140,6 @@ std::uint64_t process_cpu_ns(pid_t pid) {
     if (i == 15) stime = std::stoull(f);
   }
   return (utime + stime) * (1'000'000'000ull / static_cast<unsigned long long>(::sysconf(_SC_CLK_TCK)));
-}
-
-// Resets VmHWM to the current RSS (Linux >= 4.0), so the next reading is
-// the peak since now. False if the kernel refused.
-bool reset_peak_rss(pid_t pid) {
-  std::ofstream f("/proc/" + std::to_string(pid) + "/clear_refs");
-  f << "5";
-  f.flush();
-  return static_cast<bool>(f);
 }
 
 // Round trips of a 64 B call from client A to client B's echo: `warmup`,
@@ -284,7 +268,7 @@ int run(const Config& cfg, bench::Report& report) {
   const UnixAddress address = UnixAddress::parse(sock);
   std::printf("\nspindle bench_router%s: clients of one spindle-router (pid %d), %zu B messages, unpinned\n",
               cfg.quick ? " --quick" : "", static_cast<int>(proc.pid()), kSize);
-  report.add("router_rss_idle_MiB", status_kib(proc.pid(), "VmRSS") / 1024.0, "MiB");
+  report.add("router_rss_idle_MiB", bench::status_kib(proc.pid(), "VmRSS") / 1024.0, "MiB");
 
   // Round trips.
   auto sp = bench::percentiles(spindle_rtt(address, cfg.rtt_warmup, cfg.rtt_iters));
@@ -303,7 +287,7 @@ int run(const Config& cfg, bench::Report& report) {
   std::vector<std::pair<int, double>> floors;
   for (int n : cfg.clients) {
     const std::uint64_t per_pair = std::max<std::uint64_t>(cfg.messages / static_cast<std::uint64_t>(n), 1);
-    const bool peak_reset = reset_peak_rss(proc.pid());
+    const bool peak_reset = bench::reset_peak_rss(proc.pid());
     double secs = 0, secs_unbatched = 0, secs_one = 0;
     std::uint64_t router_cpu = 0, client_cpu = 0, client_cpu_unbatched = 0;
     {
@@ -318,7 +302,7 @@ int run(const Config& cfg, bench::Report& report) {
       client_cpu_unbatched = process_cpu_ns(0) - u0;
       secs_one = pairs.run(per_pair, 1, false);
     }
-    const double peak_mib = status_kib(proc.pid(), "VmHWM") / 1024.0;
+    const double peak_mib = bench::status_kib(proc.pid(), "VmHWM") / 1024.0;
     const double msgs = static_cast<double>(per_pair) * n;
     const double rate = msgs / secs;
     const int threads = std::min(n, kMaxSenderThreads);
