@@ -6,12 +6,17 @@
 #include <utility>
 #include <vector>
 
+#include "broker/broker.h"
+
 namespace spindle {
 namespace {
 
 // The chunks nobody holds, kept for this thread's next read. A broker thread
 // reads its streams one at a time and most let their chunk go before the
 // next reads, so a few cover any number of connections; more are freed.
+// Only a broker's own thread keeps them (as TxQueue's blocks): a caller that
+// leads a loop for a while, or a hosted loop's thread, is not one, and its
+// streams keep a spare each instead, as they did before the pool.
 class ChunkPool {
  public:
   ChunkPool() { free_.reserve(kPooledChunks); }
@@ -34,14 +39,19 @@ thread_local ChunkPool chunk_pool;
 
 }  // namespace
 
-std::shared_ptr<Chunk> RxBuffer::new_chunk() { return chunk_pool.take(); }
+std::shared_ptr<Chunk> RxBuffer::new_chunk() {
+  if (spare_) return std::move(spare_);
+  return chunk_pool.take();
+}
 
-// A chunk leaves the deque: back to the pool if nobody holds it (or freed,
-// off the broker thread), otherwise charged to the peer until the payloads
-// holding it are gone.
-void RxBuffer::retire(std::shared_ptr<Chunk> c, bool to_pool) {
+// A chunk leaves the deque: back to the pool if nobody holds it (the spare
+// off a broker's own thread; freed when the buffer goes), otherwise charged
+// to the peer until the payloads holding it are gone.
+void RxBuffer::retire(std::shared_ptr<Chunk> c, bool keep) {
   if (c.use_count() == 1) {
-    if (to_pool) chunk_pool.give(std::move(c));
+    if (!keep) return;
+    if (Broker::on_an_own_thread()) chunk_pool.give(std::move(c));
+    else if (!spare_) spare_ = std::move(c);
     return;
   }
   if (account_) {
@@ -51,10 +61,11 @@ void RxBuffer::retire(std::shared_ptr<Chunk> c, bool to_pool) {
 }
 
 RxBuffer::~RxBuffer() {
-  for (std::shared_ptr<Chunk>& c : chunks_) retire(std::move(c), /*to_pool=*/false);
+  for (std::shared_ptr<Chunk>& c : chunks_) retire(std::move(c), /*keep=*/false);
 }
 
 void RxBuffer::let_go() {
+  if (!Broker::on_an_own_thread()) return;  // no pool here: the chunk stays
   if (readable_ != 0 || chunks_.size() != 1 || chunks_.front().use_count() != 1) return;
   retire(std::move(chunks_.front()));
   chunks_.clear();

@@ -15,7 +15,10 @@
 // connection holds no receive memory, a broker's streams take turns with a
 // few warm chunks, and a peer whose messages are handled and let go costs no
 // allocation per chunk. Before the pool, each connection kept its chunk and
-// a spare, and a router with 256 busy clients held 64 MiB in them.
+// a spare, and a router with 256 busy clients held 64 MiB in them. Only a
+// broker's own thread has a pool (Broker::on_an_own_thread(): a thread that
+// leads a loop for a while would keep its chunks after it stopped); a
+// stream read elsewhere (a hosted loop) keeps its chunk and one spare.
 //
 // A chunk retired while payloads still hold it is charged, whole, to the
 // peer's account until they let go (a 64-byte message kept by a handler
@@ -26,7 +29,7 @@
 // connection uncharged.
 //
 // Thread safety: owned by one Stream and used only on the broker thread (the
-// pool is the thread's own; the destructor, which may run elsewhere, frees).
+// pool is that thread's; the destructor, which may run elsewhere, frees).
 #pragma once
 
 #include <cstddef>
@@ -82,9 +85,10 @@ class RxBuffer {
   std::shared_ptr<Chunk> new_chunk();
   void move_tail_to_fresh_chunk();
   void release_consumed_front();
-  void retire(std::shared_ptr<Chunk> c, bool to_pool = true);
+  void retire(std::shared_ptr<Chunk> c, bool keep = true);
 
   std::shared_ptr<Account> account_;
+  std::shared_ptr<Chunk> spare_;  // off a broker's own thread only
   std::deque<std::shared_ptr<Chunk>> chunks_;
   std::size_t head_ = 0;  // read offset in chunks_.front()
   std::size_t tail_ = 0;  // write offset in chunks_.back()

@@ -433,36 +433,6 @@ TEST(FrameParserTest, SmallFramesHandledAndLetGoReuseTwoChunks) {
   }
 }
 
-// A buffer that has nothing unread and whose chunk nobody else holds gives
-// the chunk back on let_go(): the next buffer read on this thread takes the
-// same chunk, so idle connections hold no receive memory and busy ones take
-// turns with a few warm chunks. A chunk a payload still holds, or one with
-// unread bytes, stays where it is.
-TEST(RxBufferPool, AnIdleBufferGivesItsChunkToTheNextBufferOnItsThread) {
-  auto fill = [](RxBuffer& rx, std::size_t n) {
-    auto space = rx.write_space();
-    std::fill_n(space.data(), n, std::uint8_t{1});
-    rx.commit(n);
-    return space.data();
-  };
-  RxBuffer a, b, c;
-  const std::uint8_t* a_chunk = fill(a, 100);
-  a.let_go();
-  EXPECT_EQ(a.chunk_count(), 1u) << "100 bytes are unread";
-  a.drop(100);
-  a.let_go();
-  EXPECT_EQ(a.chunk_count(), 0u);
-  EXPECT_EQ(fill(b, 10), a_chunk) << "b reads into the chunk a let go";
-
-  Payload kept = b.take(10);
-  b.let_go();
-  EXPECT_EQ(b.chunk_count(), 1u) << "a payload still holds b's chunk";
-  EXPECT_NE(fill(c, 10), a_chunk);
-  c.drop(10);
-  c.let_go();
-  EXPECT_EQ(payload_bytes(kept), Bytes(10, 1));
-}
-
 // ---------------------------------------------------------------------------
 // Validation from the header alone
 // ---------------------------------------------------------------------------

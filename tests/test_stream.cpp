@@ -18,6 +18,7 @@
 
 #include "broker/broker.h"
 #include "stream/handshake.h"
+#include "stream/rx_buffer.h"
 #include "stream/stream.h"
 #include "stream_test_util.h"
 
@@ -117,6 +118,46 @@ TEST(StreamTransport, MessagesBothWaysOverPipePair) {
   h.teardown();
   close_fd(in.b);
   close_fd(out.a);
+}
+
+// On a broker's own thread, a buffer that has nothing unread and whose
+// chunk nobody else holds gives the chunk back on let_go(): the next buffer
+// read on that thread takes the same chunk, so idle connections hold no
+// receive memory and busy ones take turns with a few warm chunks. A chunk a
+// payload still holds, or one with unread bytes, stays where it is. Off an
+// own thread (the test's) there is no pool and the chunk stays.
+TEST(RxBufferPool, AnIdleBufferGivesItsChunkToTheNextBufferOnItsThread) {
+  auto fill = [](RxBuffer& rx, std::size_t n) {
+    auto space = rx.write_space();
+    std::fill_n(space.data(), n, std::uint8_t{1});
+    rx.commit(n);
+    return space.data();
+  };
+  StreamHarness h;
+  h.on([&] {
+    RxBuffer a, b, c;
+    const std::uint8_t* a_chunk = fill(a, 100);
+    a.let_go();
+    EXPECT_EQ(a.chunk_count(), 1u) << "100 bytes are unread";
+    a.drop(100);
+    a.let_go();
+    EXPECT_EQ(a.chunk_count(), 0u);
+    EXPECT_EQ(fill(b, 10), a_chunk) << "b reads into the chunk a let go";
+
+    Payload kept = b.take(10);
+    b.let_go();
+    EXPECT_EQ(b.chunk_count(), 1u) << "a payload still holds b's chunk";
+    EXPECT_NE(fill(c, 10), a_chunk);
+    c.drop(10);
+    c.let_go();
+    EXPECT_EQ(kept.size(), 10u);
+  });
+  RxBuffer off;
+  fill(off, 10);
+  off.drop(10);
+  off.let_go();
+  EXPECT_EQ(off.chunk_count(), 1u) << "a thread that is no broker's own keeps its chunk";
+  h.teardown();
 }
 
 // An idle connection holds no receive chunk once its messages are let go
