@@ -12,6 +12,7 @@
 
 #include "broker/fd_closer.h"
 #include "broker/fd_registry.h"
+#include "broker/sole_owner.h"
 
 namespace spindle {
 
@@ -64,7 +65,7 @@ std::vector<int> FdSet::raw() const {
 
 FdSet FdSet::with_charge(std::shared_ptr<void> charge) && {
   if (!held_) return FdSet({}, std::move(charge));
-  if (held_.use_count() == 1) {
+  if (sole_owner(held_)) {
     // Charged already (the receiving stream's fd budget): both charges go
     // with the fds.
     if (held_->charge)
@@ -89,7 +90,7 @@ std::vector<UniqueFd> FdSet::take_all() {
   if (!h) return {};
   // Only the holders can copy `held_`: with one left (this one), no copy
   // can appear while the fds move out.
-  if (h.use_count() == 1) return std::move(h->fds);
+  if (sole_owner(h)) return std::move(h->fds);
   std::vector<UniqueFd> v;
   for (const UniqueFd& f : h->fds) v.push_back(dup_fd(f.get()));
   return v;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "broker/broker.h"
+#include "broker/sole_owner.h"
 
 namespace spindle {
 namespace {
@@ -37,20 +38,6 @@ class ChunkPool {
 
 thread_local ChunkPool chunk_pool;
 
-// Whether the buffer is the chunk's only holder, so that its bytes may be
-// written again. use_count() alone is a relaxed load: it does not order the
-// last reads of a payload that another thread has just let go (a caller
-// reading its reply) before our next write into the same bytes. Copying the
-// pointer is an acquire-release read-modify-write of that count, which reads
-// what the last holder's release left: its reads then happen before our
-// writes, in the memory model and for TSan alike (which found the race once
-// idle chunks were reused at once).
-bool sole_holder(const std::shared_ptr<Chunk>& c) {
-  if (c.use_count() != 1) return false;
-  std::shared_ptr<Chunk> ordered = c;  // the acquire, see above
-  return true;
-}
-
 }  // namespace
 
 std::shared_ptr<Chunk> RxBuffer::new_chunk() {
@@ -62,7 +49,7 @@ std::shared_ptr<Chunk> RxBuffer::new_chunk() {
 // off a broker's own thread; freed when the buffer goes), otherwise charged
 // to the peer until the payloads holding it are gone.
 void RxBuffer::retire(std::shared_ptr<Chunk> c, bool keep) {
-  if (sole_holder(c)) {
+  if (sole_owner(c)) {
     if (!keep) return;
     if (Broker::on_an_own_thread()) chunk_pool.give(std::move(c));
     else if (!spare_) spare_ = std::move(c);
@@ -80,7 +67,7 @@ RxBuffer::~RxBuffer() {
 
 void RxBuffer::let_go() {
   if (!Broker::on_an_own_thread()) return;  // no pool here: the chunk stays
-  if (readable_ != 0 || chunks_.size() != 1 || !sole_holder(chunks_.front())) return;
+  if (readable_ != 0 || chunks_.size() != 1 || !sole_owner(chunks_.front())) return;
   retire(std::move(chunks_.front()));
   chunks_.clear();
   head_ = tail_ = 0;
@@ -184,7 +171,7 @@ void RxBuffer::release_consumed_front() {
       head_ = 0;
       continue;
     }
-    if (sole_holder(chunks_.front())) {
+    if (sole_owner(chunks_.front())) {
       head_ = tail_ = 0;
     } else if (tail_ == chunks_.front()->capacity()) {
       retire(std::move(chunks_.front()));
