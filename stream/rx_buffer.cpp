@@ -28,7 +28,7 @@ class ChunkPool {
     return c;
   }
   void give(std::shared_ptr<Chunk> c) {
-    if (free_.size() < kPooledChunks && c->capacity() == kChunkSize) free_.push_back(std::move(c));
+    if (free_.size() < kPooledChunks) free_.push_back(std::move(c));
   }
 
  private:
@@ -68,7 +68,7 @@ RxBuffer::~RxBuffer() {
 void RxBuffer::let_go() {
   if (!Broker::on_an_own_thread()) return;  // no pool here: the chunk stays
   if (readable_ != 0 || chunks_.size() != 1 || !sole_owner(chunks_.front())) return;
-  retire(std::move(chunks_.front()));
+  chunk_pool.give(std::move(chunks_.front()));  // retire()'s own-thread case, checked above
   chunks_.clear();
   head_ = tail_ = 0;
 }

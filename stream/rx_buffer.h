@@ -72,8 +72,9 @@ class RxBuffer {
   template <class F>
   void visit(std::size_t offset, std::size_t n, F&& fn) const;
 
-  // With nothing unread and nobody else holding its chunk, gives the chunk
-  // back to this thread's pool (the stream is about to wait for input).
+  // On a broker's own thread, with nothing unread and nobody else holding
+  // its chunk, gives the chunk back to the thread's pool (the stream is
+  // about to wait for input). Elsewhere the chunk stays.
   void let_go();
 
   std::size_t readable() const { return readable_; }
