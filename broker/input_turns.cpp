@@ -19,7 +19,7 @@ void InputTurns::push(std::shared_ptr<Turn> turn) {
 }
 
 std::size_t InputTurns::frames_per_turn() const {
-  return std::max(kMinFramesPerTurn, kFramesPerChunk / (ring_.size() + 1));
+  return std::clamp(kTurnShare / (ring_.size() + 1), kMinFramesPerTurn, kFramesPerChunk);
 }
 
 void InputTurns::clear() { ring_.clear(); }

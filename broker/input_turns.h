@@ -18,6 +18,18 @@
 // turns of kMinFramesPerTurn frames or more (a write per 64 frames), and a
 // wait bounded by the chunk.
 //
+// The chunk and the turns' share are two constants, because they buy
+// different things. The share sets how many frames a destination gets per
+// write; the chunk sets how long a newly readable stream waits (a routed
+// call waits twice, once per pass through the router). With one constant
+// of 4,096 for both, a call through a router that 256 raw clients flooded
+// took 2.9-3.2 ms (bench_router, 2026-11-29). A chunk of 1,024 with the
+// same share brought that to 0.77 ms, and the flood's own throughput and
+// router CPU per message stayed within their run-to-run spread. A chunk of
+// 1,024 used as the share too had cost the flood about 10% (turns of a
+// quarter the size when a few streams are busy), and a chunk of 256 cost
+// 15-40% more router CPU per message for 0.2 ms.
+//
 // Thread safety: the loop's thread only (whoever runs the loop).
 // Ownership: owned by the Broker; holds a reference on each queued stream
 // until its turn runs (or the broker goes). Allocates only when the ring
@@ -36,7 +48,10 @@ namespace spindle {
 class InputTurns {
  public:
   // Frames delivered by the turns of one chunk before epoll is polled.
-  static constexpr std::size_t kFramesPerChunk = 4096;
+  static constexpr std::size_t kFramesPerChunk = 1024;
+  // The frames shared out among the queued turns: each may deliver
+  // kTurnShare / (turns queued + 1), and no more than a chunk.
+  static constexpr std::size_t kTurnShare = 4096;
   // The smallest number of frames a turn may deliver, however many streams
   // are busy: one client's batch (64 frames, as bench_router's writers and
   // the relay floor write them) goes out in one write.
@@ -59,8 +74,8 @@ class InputTurns {
   void push(std::shared_ptr<Turn> turn);
   // Turns waiting to run.
   std::size_t size() const { return ring_.size(); }
-  // Frames a turn may deliver now: a share of the chunk among the turns
-  // queued, at least kMinFramesPerTurn.
+  // Frames a turn may deliver now: its share of kTurnShare among the turns
+  // queued, at least kMinFramesPerTurn and at most kFramesPerChunk.
   std::size_t frames_per_turn() const;
   // Drops every queued turn (the broker is going).
   void clear();

@@ -75,7 +75,7 @@ TEST_F(InputTurnsOnALoop, AHandlerReadyMeanwhileWaitsOneChunkNotEveryTurn) {
 TEST_F(InputTurnsOnALoop, ATurnRunsOnceAChunkAndTheShareHasAFloor) {
   auto alone = std::make_shared<FakeStream>(q, 7, 5, 1, log);  // one frame per turn
   q.push(alone);
-  EXPECT_EQ(q.frames_per_turn(), InputTurns::kFramesPerChunk / 2);
+  EXPECT_EQ(q.frames_per_turn(), std::min(InputTurns::kTurnShare / 2, InputTurns::kFramesPerChunk));
   asio::post(io, [&] { log.push_back(kNewlyReadable); });
   io.run();
   // A stream alone still takes one turn per chunk: the handler ran after its first.
@@ -84,6 +84,20 @@ TEST_F(InputTurnsOnALoop, ATurnRunsOnceAChunkAndTheShareHasAFloor) {
   EXPECT_EQ(q.frames_per_turn(), InputTurns::kMinFramesPerTurn);
   q.clear();
   EXPECT_EQ(q.size(), 0u);
+}
+
+// The share sets the turns' size, the chunk only bounds it: with a few
+// streams busy, each still delivers its share of kTurnShare (a destination
+// gets one write for that many frames), not a share of the smaller chunk.
+TEST_F(InputTurnsOnALoop, TurnsTakeTheirShareOfTheTurnShareUpToAChunk) {
+  static_assert(InputTurns::kTurnShare > InputTurns::kFramesPerChunk);
+  for (int i = 0; i < 7; ++i) q.push(std::make_shared<FakeStream>(q, i, 1, 1, log));
+  EXPECT_EQ(q.frames_per_turn(), InputTurns::kTurnShare / 8);
+  EXPECT_GT(q.frames_per_turn(), InputTurns::kFramesPerChunk / 8);
+  q.clear();
+  q.push(std::make_shared<FakeStream>(q, 0, 1, 1, log));
+  EXPECT_EQ(q.frames_per_turn(), InputTurns::kFramesPerChunk) << "a turn is never longer than a chunk";
+  q.clear();
 }
 
 TEST_F(InputTurnsOnALoop, ATurnThatThrowsLeavesTheOthersARunner) {
