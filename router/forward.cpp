@@ -25,13 +25,17 @@ namespace spindle {
 
 // The read batch of a stream: output is corked until its end, and, while
 // other streams' turns wait in the broker's queue, until the end of that
-// chunk of turns (broker/input_turns.h). A turn delivers a share of the
-// chunk, to as many destinations as its frames name: flushed per turn, 256
+// pass of turns (broker/input_turns.h). A turn delivers its share of the
+// pass, to as many destinations as its frames name: flushed per turn, 256
 // clients writing to random peers cost the router a sendmsg per frame or
-// two. Flushed per chunk, each destination gets one write for what every
-// turn of the chunk brought it. The chunk is bounded (about 4,096 frames),
-// so that is all a frame waits; a stream busy on its own (no other turn
-// queued) is flushed at its turn's end, as before.
+// two. Flushed per pass, each destination gets one write for what every
+// turn of the pass brought it. A pass is kChunksPerPass chunks (about 4,096
+// frames), so that is all a frame waits; the chunks are smaller only so that
+// epoll is polled more often. Flushed per chunk, 16 clients sending to each
+// other cost 1,182 writes instead of 335
+// (ForwardBatching.TheTurnsOfAPassLeaveInOneWritePerDestination). A stream
+// busy on its own (no other turn queued) is flushed at its turn's end, as
+// before.
 // A small turn (a call or a reply: at most kSmallTurnFrames frames) writes
 // what it queued at its end all the same: batching has nothing to gain
 // there, and a round trip through a flooded router would otherwise wait a
@@ -53,15 +57,8 @@ void Router::on_stream_batch_end(Stream&) {
     if (turn_frames_ <= kSmallTurnFrames) flush_turn_output();
     if (!chunk_flush_queued_) {
       chunk_flush_queued_ = true;
-      // It runs after the chunk under way (whose runner posts the next one
-      // at its end), or after the next chunk if this turn ran outside one
-      // (a stream's first turn, from epoll). A hosted loop may run it after
-      // the router is gone (link_ says so).
-      asio::post(broker_.io(), [this, link = link_] {
-        if (!link->alive()) return;
-        chunk_flush_queued_ = false;
-        flush_dirty();
-      });
+      chunks_unflushed_ = 0;
+      post_flush_pass();
     }
   } else {
     flush_dirty();
@@ -327,6 +324,26 @@ void Router::mark_dirty(Link& l) {
     l.dirty = true;
     dirty_.push_back(l.stream);
   }
+}
+
+// It runs after the chunk under way (whose runner posts the next one at its
+// end), or after the next chunk if the turn that posted it ran outside one
+// (a stream's first turn, from epoll). A hosted loop may run it after the
+// router is gone (link_ says so).
+void Router::post_flush_pass() {
+  asio::post(broker_.io(), [this, link = link_] {
+    if (!link->alive()) return;
+    flush_pass();
+  });
+}
+
+// At the end of a chunk: flushes once the pass is done (kChunksPerPass
+// chunks), or when no turn is left to run; otherwise waits for the next.
+void Router::flush_pass() {
+  if (++chunks_unflushed_ < InputTurns::kChunksPerPass && broker_.input_turns().size() > 0)
+    return post_flush_pass();
+  chunk_flush_queued_ = false;
+  flush_dirty();
 }
 
 // Writes each stream touched in the batch once. A flush may close its stream

@@ -392,6 +392,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   std::string undecodable_why(const Link& out, const Header& h) const;
   Message undecodable_notice(const Link& out, const Header& h) const;
   void flush_dirty();
+  void post_flush_pass();
+  void flush_pass();
   void mark_dirty(Link& l);
   void note_turn_output(Link& l);
   void flush_turn_output();
@@ -487,7 +489,8 @@ class Router : public StreamListener, public ShutdownParticipant {
   Link* parent_ = nullptr;
   std::vector<std::shared_ptr<Stream>> dirty_;
   int batch_depth_ = 0;
-  bool chunk_flush_queued_ = false;  // a flush_dirty() posted behind the chunk of turns under way
+  bool chunk_flush_queued_ = false;  // a flush_pass() posted behind the chunk of turns under way
+  std::size_t chunks_unflushed_ = 0;  // chunks of turns ended since that flush was queued
   // The stream turn under way (on_stream_batch_begin to _end): the frames it
   // delivered (past kSmallTurnFrames once it dirtied more streams than
   // turn_dirty_ holds), and the streams it made dirty while it was small. A
