@@ -65,15 +65,37 @@ RxBuffer::~RxBuffer() {
   for (std::shared_ptr<Chunk>& c : chunks_) retire(std::move(c), /*keep=*/false);
 }
 
-void RxBuffer::let_go() {
+void RxBuffer::let_go(bool stash) {
   if (!Broker::on_an_own_thread()) return;  // no pool here: the chunk stays
-  if (readable_ != 0 || chunks_.size() != 1 || !sole_owner(chunks_.front())) return;
+  if (readable_ > (stash ? kStashMax : 0) || chunks_.size() != 1 || !sole_owner(chunks_.front())) return;
+  if (readable_ > 0) {
+    // Part of a frame: its bytes, not the chunk, wait for the rest. Charged
+    // as a retired chunk is, whatever the account holds: they are held.
+    stash_ = std::make_unique_for_overwrite<std::uint8_t[]>(readable_);
+    std::memcpy(stash_.get(), chunks_.front()->data() + head_, readable_);
+    if (account_) {
+      account_->charge(readable_);
+      stash_charge_ = Charge(account_, readable_);
+    }
+  }
   chunk_pool.give(std::move(chunks_.front()));  // retire()'s own-thread case, checked above
   chunks_.clear();
   head_ = tail_ = 0;
 }
 
+void RxBuffer::unstash() {
+  if (!stash_) return;
+  std::shared_ptr<Chunk> c = new_chunk();
+  std::memcpy(c->data(), stash_.get(), readable_);
+  chunks_.push_back(std::move(c));
+  head_ = 0;
+  tail_ = readable_;
+  stash_.reset();
+  stash_charge_ = Charge();
+}
+
 std::span<std::uint8_t> RxBuffer::write_space() {
+  unstash();
   if (chunks_.empty()) {
     chunks_.push_back(new_chunk());
     head_ = tail_ = 0;
@@ -113,6 +135,10 @@ void RxBuffer::commit(std::size_t n) {
 
 void RxBuffer::peek(std::uint8_t* out, std::size_t n) const {
   assert(n <= readable_);
+  if (stash_) {
+    std::memcpy(out, stash_.get(), n);
+    return;
+  }
   std::size_t off = head_;
   for (std::size_t i = 0; n > 0; ++i) {
     const Chunk& c = *chunks_[i];
@@ -127,6 +153,7 @@ void RxBuffer::peek(std::uint8_t* out, std::size_t n) const {
 
 Payload RxBuffer::take(std::size_t n) {
   assert(n <= readable_);
+  unstash();
   Payload p;
   while (n > 0) {
     const std::shared_ptr<Chunk>& c = chunks_.front();
@@ -143,6 +170,7 @@ Payload RxBuffer::take(std::size_t n) {
 
 void RxBuffer::drop(std::size_t n) {
   assert(n <= readable_);
+  unstash();
   while (n > 0) {
     std::size_t end = (chunks_.size() == 1) ? tail_ : chunks_.front()->capacity();
     std::size_t len = std::min(n, end - head_);

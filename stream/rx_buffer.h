@@ -20,6 +20,16 @@
 // leads a loop for a while would keep its chunks after it stopped); a
 // stream read elsewhere (a hosted loop) keeps its chunk and one spare.
 //
+// A stream that waits for input in the middle of a frame (the peer sent part
+// of it) does not keep its chunk for those few bytes either: let_go() copies
+// them into a stash of their exact size, charged to the peer's account, and
+// gives the chunk to the pool. The next read takes a chunk and copies them
+// back to its start; reads in between (peek, visit) are served from the
+// stash. Before, such a connection held its whole chunk, charged to nobody,
+// until the frame was finished or the stall rule cut it off: a peer with
+// thousands of connections, each leaving a frame unfinished, made a router
+// hold 128 KiB per connection outside every budget.
+//
 // A chunk retired while payloads still hold it is charged, whole, to the
 // peer's account until they let go (a 64-byte message kept by a handler
 // pins 128 KiB, and that is what it costs). So is every chunk still held
@@ -48,6 +58,10 @@ inline constexpr std::size_t kChunkSize = 128 * 1024;
 // (a frame's start; see move_tail_to_fresh_chunk): at most an eighth of the
 // chunk, copied once per chunk.
 inline constexpr std::size_t kMovedTailMax = 16 * 1024;
+// The most unread bytes let_go() stashes: a frame that stays in the chunks
+// has a body under 64 KiB (larger bodies get a buffer of their own once
+// their header is in, stream/parser.h), plus its header.
+inline constexpr std::size_t kStashMax = 64 * 1024 + 64;
 
 class RxBuffer {
  public:
@@ -72,13 +86,20 @@ class RxBuffer {
   template <class F>
   void visit(std::size_t offset, std::size_t n, F&& fn) const;
 
-  // On a broker's own thread, with nothing unread and nobody else holding
-  // its chunk, gives the chunk back to the thread's pool (the stream is
-  // about to wait for input). Elsewhere the chunk stays.
-  void let_go();
+  // The stream is about to wait for input. On a broker's own thread, when
+  // nobody else holds its one chunk, gives that chunk back to the thread's
+  // pool: with nothing unread; or, when `stash` (the stream waits on its
+  // peer), after moving what is unread (part of a frame, at most kStashMax
+  // bytes) into a stash charged to the account. Elsewhere the chunk stays.
+  void let_go(bool stash);
+  // Puts stashed bytes back at the start of a chunk and drops their charge
+  // (every use that needs a chunk does this itself).
+  void unstash();
 
   std::size_t readable() const { return readable_; }
   std::size_t chunk_count() const { return chunks_.size(); }
+  // Unread bytes held in the stash instead of a chunk.
+  std::size_t stashed() const { return stash_ ? readable_ : 0; }
   // Chunks retired while still held get charged here (may be null).
   void set_account(std::shared_ptr<Account> a) { account_ = std::move(a); }
 
@@ -89,6 +110,8 @@ class RxBuffer {
   void retire(std::shared_ptr<Chunk> c, bool keep = true);
 
   std::shared_ptr<Account> account_;
+  std::unique_ptr<std::uint8_t[]> stash_;  // readable_ bytes, while no chunk is held
+  Charge stash_charge_;
   std::shared_ptr<Chunk> spare_;  // off a broker's own thread only
   std::deque<std::shared_ptr<Chunk>> chunks_;
   std::size_t head_ = 0;  // read offset in chunks_.front()
@@ -98,6 +121,10 @@ class RxBuffer {
 
 template <class F>
 void RxBuffer::visit(std::size_t offset, std::size_t n, F&& fn) const {
+  if (stash_) {
+    if (n > 0) fn(stash_.get() + offset, n);
+    return;
+  }
   std::size_t off = head_ + offset;
   for (std::size_t i = 0; n > 0; ++i) {
     const Chunk& c = *chunks_[i];

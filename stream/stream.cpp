@@ -264,9 +264,14 @@ void Stream::start() {
 // it is used only when the last read came up short (the socket is probably
 // empty); after a full read the next read is posted instead.
 void Stream::arm_read() {
-  rx_.let_go();  // while it waits, an idle connection holds no receive chunk
-  if (read_armed_ || !may_read()) return;
-  if (over_limit()) return;
+  // While it waits, a connection holds no receive chunk: an idle one gives it
+  // back, and one that waits for the rest of a frame keeps only that frame's
+  // bytes, charged (RxBuffer::let_go). Not while reading is paused: the
+  // charge could keep it over its limit, and nothing but the next read would
+  // release it. do_read() takes the bytes back before it looks at the limit.
+  const bool waits = !read_armed_ && may_read() && !over_limit();
+  rx_.let_go(waits);
+  if (!waits) return;
   read_armed_ = true;
   ++stats_.read_waits;
   rd_.async_wait(asio::posix::descriptor_base::wait_read,
@@ -282,6 +287,7 @@ void Stream::arm_read() {
 
 void Stream::do_read() {
   if (!may_read()) return;
+  rx_.unstash();  // its charge must not count against the read that completes its frame
   if (over_limit()) return;
   // The kernel ends a read at each message that carries fds. Up to
   // kReadsAfterFds more reads follow in this turn while reads keep ending

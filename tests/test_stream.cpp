@@ -14,6 +14,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "broker/broker.h"
@@ -137,26 +138,88 @@ TEST(RxBufferPool, AnIdleBufferGivesItsChunkToTheNextBufferOnItsThread) {
   h.on([&] {
     RxBuffer a, b, c;
     const std::uint8_t* a_chunk = fill(a, 100);
-    a.let_go();
+    a.let_go(false);
     EXPECT_EQ(a.chunk_count(), 1u) << "100 bytes are unread";
     a.drop(100);
-    a.let_go();
+    a.let_go(false);
     EXPECT_EQ(a.chunk_count(), 0u);
     EXPECT_EQ(fill(b, 10), a_chunk) << "b reads into the chunk a let go";
 
     Payload kept = b.take(10);
-    b.let_go();
+    b.let_go(true);
     EXPECT_EQ(b.chunk_count(), 1u) << "a payload still holds b's chunk";
     EXPECT_NE(fill(c, 10), a_chunk);
     c.drop(10);
-    c.let_go();
+    c.let_go(false);
     EXPECT_EQ(kept.size(), 10u);
   });
   RxBuffer off;
   fill(off, 10);
   off.drop(10);
-  off.let_go();
+  off.let_go(false);
   EXPECT_EQ(off.chunk_count(), 1u) << "a thread that is no broker's own keeps its chunk";
+  h.teardown();
+}
+
+// A buffer that waits for the rest of a frame (let_go(true), as a stream
+// waiting on its peer) keeps that frame's bytes in a stash of their own,
+// charged to the peer, and gives the chunk to the pool: a connection that
+// leaves a frame unfinished no longer pins 128 KiB charged to nobody. The
+// bytes read the same from the stash, go back to the start of a chunk for
+// the next read, and the charge goes with them.
+TEST(RxBufferPool, AFrameWaitingForItsRestKeepsItsBytesNotItsChunk) {
+  StreamHarness h;
+  h.on([&] {
+    auto account = std::make_shared<Account>(1u << 20, nullptr);
+    RxBuffer a, b;
+    a.set_account(account);
+    auto space = a.write_space();
+    const std::uint8_t* a_chunk = space.data();
+    for (std::size_t i = 0; i < 100; ++i) space[i] = static_cast<std::uint8_t>(i);
+    a.commit(100);
+    a.drop(40);  // a frame before it was handled; 60 bytes of the next arrived
+    a.let_go(false);
+    EXPECT_EQ(a.chunk_count(), 1u) << "unread bytes stay unless the buffer waits on its peer";
+    a.let_go(true);
+    EXPECT_EQ(a.chunk_count(), 0u);
+    EXPECT_EQ(a.readable(), 60u);
+    EXPECT_EQ(a.stashed(), 60u);
+    EXPECT_EQ(account->held(), 60u) << "the stash is charged to the peer";
+    std::uint8_t head[10];
+    a.peek(head, sizeof head);
+    EXPECT_EQ(head[0], 40);
+    EXPECT_EQ(head[9], 49);
+    std::size_t seen = 0;
+    a.visit(20, 40, [&](const std::uint8_t* p, std::size_t n) {
+      EXPECT_EQ(p[0], 60);
+      seen += n;
+    });
+    EXPECT_EQ(seen, 40u);
+
+    auto b_space = b.write_space();
+    EXPECT_EQ(b_space.data(), a_chunk) << "b reads into the chunk a gave back";
+    b.commit(1);
+    b.drop(1);
+    b.let_go(false);
+
+    auto more = a.write_space();
+    EXPECT_EQ(a.chunk_count(), 1u);
+    EXPECT_EQ(a.stashed(), 0u);
+    EXPECT_EQ(account->held(), 0u) << "the charge goes with the stash";
+    more[0] = 100;
+    a.commit(1);
+    Payload frame = a.take(61);
+    std::vector<std::uint8_t> got(61);
+    frame.copy_to(got.data());
+    for (std::size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], 40 + i) << i;
+    frame = Payload();
+
+    RxBuffer big;  // more unread than any frame that stays in the chunks
+    auto big_space = big.write_space();
+    big.commit(std::min(big_space.size(), kStashMax + 1));
+    big.let_go(true);
+    EXPECT_EQ(big.chunk_count(), 1u);
+  });
   h.teardown();
 }
 
@@ -192,6 +255,37 @@ TEST(StreamTransport, AnIdleStreamHoldsNoReceiveChunk) {
   ASSERT_TRUE(write_all(sp.b, frame_bytes(1001, "let go")));
   ASSERT_TRUE(rec.wait([&] { return rec.let_go == 1; }));
   EXPECT_EQ(h.on([&] { return s->receive_chunks(); }), 0u);
+  h.teardown();
+  close_fd(sp.b);
+}
+
+// A stream that waits for the rest of a frame holds that frame's bytes,
+// charged to the peer, and no chunk; the frame then arrives whole.
+TEST(StreamTransport, AStreamWaitingForTheRestOfAFrameHoldsItsBytesNotAChunk) {
+  Recorder rec;
+  StreamHarness h;
+  FdPair sp = make_socketpair();
+  Stream* s = h.make(sp.a, sp.a, &rec);
+  const std::string body(1000, 'x');
+  const auto frame = frame_bytes(1000, body);
+  const std::size_t part = kHeaderSize + 300;
+  const std::size_t held_before = h.on([&] { return s->account()->held(); });
+  ASSERT_TRUE(write_all(sp.b, std::vector<std::uint8_t>(frame.begin(), frame.begin() + part)));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (h.on([&] { return s->stats().bytes_in; }) < part && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(h.on([&] { return s->stats().bytes_in; }), part);
+  EXPECT_EQ(h.on([&] { return s->receive_chunks(); }), 0u) << "the partial frame pins a chunk";
+  EXPECT_EQ(h.on([&] { return s->account()->held(); }) - held_before, part)
+      << "the partial frame's bytes are charged to the peer";
+  ASSERT_TRUE(write_all(sp.b, std::vector<std::uint8_t>(frame.begin() + part, frame.end())));
+  ASSERT_TRUE(rec.wait_messages(1));
+  {
+    std::lock_guard lk(rec.mu);
+    EXPECT_EQ(rec.messages[0].header.handle, 1000u);
+    EXPECT_EQ(rec.messages[0].text(), body);
+  }
+  EXPECT_EQ(h.on([&] { return s->account()->held(); }), held_before);
   h.teardown();
   close_fd(sp.b);
 }
