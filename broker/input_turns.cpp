@@ -35,14 +35,16 @@ void InputTurns::post_runner() {
 void InputTurns::run_chunk() {
   runner_posted_ = false;
   running_ = true;
+  std::size_t frames = 0;
   struct Repost {
     InputTurns& q;
+    const std::size_t& frames;
     ~Repost() {
       q.running_ = false;
+      q.last_chunk_frames_ = frames;
       if (!q.ring_.empty() && !q.runner_posted_) q.post_runner();
     }
-  } repost{*this};
-  std::size_t frames = 0;
+  } repost{*this, frames};
   for (std::size_t turns = ring_.size(); turns > 0 && !ring_.empty() && frames < kFramesPerChunk; --turns) {
     std::shared_ptr<Turn> t = std::move(ring_.front());
     ring_.pop_front();

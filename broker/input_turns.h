@@ -83,6 +83,9 @@ class InputTurns {
   // Frames a turn may deliver now: its share of kTurnShare among the turns
   // queued, at least kMinFramesPerTurn and at most kFramesPerChunk.
   std::size_t frames_per_turn() const;
+  // Whether the last chunk stopped at its frame budget, not at the end of
+  // its round of turns: the loop is saturated.
+  bool last_chunk_was_full() const { return last_chunk_frames_ >= kFramesPerChunk; }
   // Drops every queued turn (the broker is going).
   void clear();
 
@@ -95,6 +98,7 @@ class InputTurns {
   Ring<std::shared_ptr<Turn>> ring_;
   bool runner_posted_ = false;
   bool running_ = false;  // a chunk is under way: it posts the next runner at its end
+  std::size_t last_chunk_frames_ = 0;
 };
 
 }  // namespace spindle

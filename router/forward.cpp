@@ -337,10 +337,14 @@ void Router::post_flush_pass() {
   });
 }
 
-// At the end of a chunk: flushes once the pass is done (kChunksPerPass
-// chunks), or when no turn is left to run; otherwise waits for the next.
+// At the end of a chunk: flushes unless the loop is saturated (the chunk
+// stopped at its frame budget, and turns are left), in which case it waits
+// for the next chunk, up to a pass of kChunksPerPass. A chunk that ran its
+// round of turns under its budget is all the batching there is to have, and
+// waiting longer would only delay the frames (as one chunk of 4,096 did).
 void Router::flush_pass() {
-  if (++chunks_unflushed_ < InputTurns::kChunksPerPass && broker_.input_turns().size() > 0)
+  const InputTurns& turns = broker_.input_turns();
+  if (turns.last_chunk_was_full() && turns.size() > 0 && ++chunks_unflushed_ < InputTurns::kChunksPerPass)
     return post_flush_pass();
   chunk_flush_queued_ = false;
   flush_dirty();

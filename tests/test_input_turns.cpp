@@ -100,6 +100,22 @@ TEST_F(InputTurnsOnALoop, TurnsTakeTheirShareOfTheTurnShareUpToAChunk) {
   q.clear();
 }
 
+// A chunk is full when it stopped at its frame budget (the loop is
+// saturated: a router keeps corking its output for the pass), not when it
+// ran its round of turns under the budget (a router flushes then).
+TEST_F(InputTurnsOnALoop, AChunkIsFullOnlyWhenItStopsAtItsBudget) {
+  q.push(std::make_shared<FakeStream>(q, 1, 1, 10, log));
+  io.run();
+  EXPECT_FALSE(q.last_chunk_was_full()) << "one turn of 10 frames";
+  io.restart();
+  for (int i = 0; i < 8; ++i)
+    q.push(std::make_shared<FakeStream>(q, i, 2, InputTurns::kFramesPerChunk / 4, log));
+  ASSERT_EQ(io.run_one(), 1u);  // the first chunk: four turns reach the budget
+  EXPECT_TRUE(q.last_chunk_was_full());
+  EXPECT_EQ(q.size(), 8u) << "four turns ran, and each queued its next";
+  q.clear();
+}
+
 TEST_F(InputTurnsOnALoop, ATurnThatThrowsLeavesTheOthersARunner) {
   auto a = std::make_shared<FakeStream>(q, 1, 2, 1, log);
   auto b = std::make_shared<FakeStream>(q, 2, 2, 1, log);
