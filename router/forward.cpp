@@ -341,7 +341,7 @@ void Router::post_flush_pass() {
 // stopped at its frame budget, and turns are left), in which case it waits
 // for the next chunk, up to a pass of kChunksPerPass. A chunk that ran its
 // round of turns under its budget is all the batching there is to have, and
-// waiting longer would only delay the frames (as one chunk of 4,096 did).
+// waiting longer would only delay the frames.
 void Router::flush_pass() {
   const InputTurns& turns = broker_.input_turns();
   if (turns.last_chunk_was_full() && turns.size() > 0 && ++chunks_unflushed_ < InputTurns::kChunksPerPass)

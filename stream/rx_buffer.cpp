@@ -73,10 +73,8 @@ void RxBuffer::let_go(bool stash) {
     // as a retired chunk is, whatever the account holds: they are held.
     stash_ = std::make_unique_for_overwrite<std::uint8_t[]>(readable_);
     std::memcpy(stash_.get(), chunks_.front()->data() + head_, readable_);
-    if (account_) {
-      account_->charge(readable_);
-      stash_charge_ = Charge(account_, readable_);
-    }
+    stash_charge_ = Charge(account_, 0);
+    stash_charge_.add(readable_);
   }
   chunk_pool.give(std::move(chunks_.front()));  // retire()'s own-thread case, checked above
   chunks_.clear();
@@ -91,7 +89,7 @@ void RxBuffer::unstash() {
   head_ = 0;
   tail_ = readable_;
   stash_.reset();
-  stash_charge_ = Charge();
+  stash_charge_.reset();
 }
 
 std::span<std::uint8_t> RxBuffer::write_space() {

@@ -92,8 +92,9 @@ class RxBuffer {
   // peer), after moving what is unread (part of a frame, at most kStashMax
   // bytes) into a stash charged to the account. Elsewhere the chunk stays.
   void let_go(bool stash);
-  // Puts stashed bytes back at the start of a chunk and drops their charge
-  // (every use that needs a chunk does this itself).
+  // Puts stashed bytes back at the start of a chunk and drops their charge.
+  // Every use that needs a chunk does this itself; a stream calls it before
+  // it checks its peer's limit, which the stash's charge would count.
   void unstash();
 
   std::size_t readable() const { return readable_; }

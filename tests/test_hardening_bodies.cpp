@@ -158,10 +158,12 @@ TEST_F(Hardening, ASmallFrameLeftUnfinishedIsCutOff) {
 // one's bytes (charged to it), not a receive chunk each. Each client first
 // sends two 60,000-byte frames to a handle nobody serves (the router
 // answers each with a dead reply), so that the chunk it is read into has
-// been written over; then 300 bytes of a 1,000-byte frame. Before, every
-// such connection held its 128 KiB chunk, resident and charged to nobody,
-// until the stall rule cut it off (the router grew by 129 KiB per client;
-// 9.5 KiB after, a spindle-router built for release, 1,000 clients).
+// been written over; then 300 bytes of a 1,000-byte frame, in the same
+// write as the second frame, so that the answer to that frame shows that
+// the router has read them. Before, every such connection held its 128 KiB
+// chunk, resident and charged to nobody, until the stall rule cut it off
+// (the router grew by 129 KiB per client; 9.5 KiB after, a spindle-router
+// built for release, 1,000 clients).
 TEST_F(Hardening, ConnectionsLeavingAFrameUnfinishedHoldItsBytesNotAChunkEach) {
   if (!kRssIsMeaningful) GTEST_SKIP() << "a sanitizer's heap makes the resident set meaningless";
   constexpr int kClients = 200;
@@ -173,17 +175,18 @@ TEST_F(Hardening, ConnectionsLeavingAFrameUnfinishedHoldItsBytesNotAChunkEach) {
     peers.push_back(raw_client());
     ids.push_back(id_);
     RawPeer& p = peers.back();
-    for (int k = 0; k < 2; ++k) p.send_frame(frame(0, id_, id_, 9999, 55), std::string(60000, 'y'));
+    const std::string filler = frame_bytes(frame(0, id_, id_, 9999, 55), std::string(60000, 'y'));
     const std::string whole = frame_bytes(frame(0, id_, id_, 9999, 55), std::string(1000, 'u'));
-    p.write_all(whole.substr(0, kHeaderSize + 300));
+    p.write_all(filler);
+    p.write_all(filler + whole.substr(0, kHeaderSize + 300));
   }
-  // Each client's two whole frames were answered: the router has read them.
+  // Each client's two whole frames were answered: the router has read them,
+  // and the unfinished frame's start with the second.
   Message m;
   for (int i = 0; i < kClients; ++i)
     for (int k = 0; k < 2; ++k)
       ASSERT_TRUE(peers[static_cast<std::size_t>(i)].read_frame_for(ids[static_cast<std::size_t>(i)], 55, m, 10s))
           << "client " << i << ": " << router_->log();
-  std::this_thread::sleep_for(200ms);  // the unfinished frames' bytes, read behind them
   const long per_client_kib = (rss_kib() - before_kib) / kClients;
   EXPECT_LT(per_client_kib, 64) << "each connection that left a frame unfinished costs the router "
                                 << per_client_kib << " KiB";
