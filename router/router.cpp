@@ -66,12 +66,17 @@ Router::Router(Broker& broker, RouterOptions opts)
     for (auto& [s, l] : links_) l->stream->resume_reading();
   };
   budget_->on_relief([r = relief_] { r->fire(); });
+  // ALLOCATE_ID is answered by the root only: others forward it upwards.
+  // Registered here, not through add_handler(): nothing of this router runs
+  // on the broker thread before the defer below, which publishes the table
+  // with everything else. add_handler() from this thread would wait for the
+  // broker thread, a hand-off every context paid at birth (each forked
+  // worker, each child, each Connection).
+  handlers_.add([this](Message&& m) { allocate_for(std::move(m)); }, {}, kHandleAllocateId);
   broker_.defer([this] {
     broker_.add_participant(this);
     wake_sink_ = broker_.on_wake([this] { drain_outbox(); });
   });
-  // ALLOCATE_ID is answered by the root only: others forward it upwards.
-  add_handler([this](Message&& m) { allocate_for(std::move(m)); }, {}, kHandleAllocateId);
 }
 
 Router::~Router() {
