@@ -1,20 +1,27 @@
-// Big-endian integers on the wire, read and written byte by byte: independent
-// of host byte order and alignment. Shared by the frame header and the
-// handshake.
+// Big-endian integers on the wire: independent of host byte order and
+// alignment. Shared by the frame header and the handshake.
+//
+// Written as one byte swap and one unaligned store (memcpy): GCC 12 turned
+// the byte-by-byte form of put32 into some 20 shifts and byte moves per
+// field (encode_header was 135 instructions, about 4% of spindle-router's
+// CPU while forwarding 64 B frames); reads it already merges into bswap.
 #pragma once
 
+#include <bit>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace spindle::be {
 
 inline void put16(std::uint8_t* p, std::uint16_t v) {
-  p[0] = static_cast<std::uint8_t>(v >> 8);
-  p[1] = static_cast<std::uint8_t>(v);
+  if constexpr (std::endian::native == std::endian::little) v = __builtin_bswap16(v);
+  std::memcpy(p, &v, sizeof v);
 }
 
 inline void put32(std::uint8_t* p, std::uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::uint8_t>(v >> (24 - 8 * i));
+  if constexpr (std::endian::native == std::endian::little) v = __builtin_bswap32(v);
+  std::memcpy(p, &v, sizeof v);
 }
 
 inline void append16(std::vector<std::uint8_t>& out, std::uint16_t v) {
