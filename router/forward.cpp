@@ -187,7 +187,15 @@ bool Router::is_adjacent_only(std::uint32_t handle, bool upwards) {
 // why it cannot.
 Router::Link* Router::forward_target(Link& in, const Header& h, std::size_t body) {
   const std::uint32_t dst = h.dst_id;
-  Link* out = route_for(dst);
+  // Only this thread changes the epoch: a relaxed load sees its own bumps.
+  const std::uint64_t epoch = route_epoch_.load(std::memory_order_relaxed);
+  Link* out;
+  if (in.last_route.dst == dst && in.last_route.epoch == epoch) {
+    out = in.last_route.out;
+  } else {
+    out = route_for(dst);
+    in.last_route = {dst, epoch, out};
+  }
   if (!out || out == &in) {
     send_dead(h, fmt::format("{}: {}", reason::kNoRoute, dst));
     return nullptr;

@@ -92,6 +92,7 @@ Router::Link& Router::register_link(std::shared_ptr<Stream> s, StreamRole role,
   links_.emplace(s.get(), std::move(link));
   if (role == StreamRole::kParent) {
     parent_ = &l;
+    route_epoch_.fetch_add(1, std::memory_order_acq_rel);  // route_for()'s fallback changed
   } else if (remote_id != 0) {  // a client's id is known only after its handshake
     add_route(remote_id, l);
   }

@@ -290,6 +290,14 @@ class Router : public StreamListener, public ShutdownParticipant {
     std::unordered_set<std::uint32_t> behind;   // contexts routed through this link
     std::unordered_set<std::uint32_t> egress;   // contexts this link sent to
     std::uint32_t last_egress = 0;              // egress.insert() is skipped for repeats
+    // Where this link's last forwarded frame went (forward_target): a turn's
+    // frames mostly share a destination. Valid while route_epoch_ is
+    // unchanged, since every change of routes_ or parent_ bumps it.
+    struct {
+      std::uint32_t dst = 0;
+      std::uint64_t epoch = 0;  // route_epoch_ starts at 1: an unused entry never matches
+      Link* out = nullptr;
+    } last_route;
     std::optional<ClientLinkOptions> client;    // set for a listener's clients
     Dialect dialect = Dialect::kSpindle;        // known once the handshake is done
     std::uint64_t port_serial = 0;
