@@ -24,6 +24,7 @@
 #include "stream/listener_handshake.h"
 #include "tests/listener_test_util.h"
 #include "tests/raw_peer.h"
+#include "tests/router_probe.h"
 
 namespace spindle {
 namespace test_listener {
@@ -48,6 +49,35 @@ TEST(Listener, SpindleClientsGetIdsAndCallEachOtherById) {
   EXPECT_EQ(b->router().parent_id(), std::optional<std::uint32_t>(0));
   EXPECT_EQ(b->context(a->id()).call(kEcho, "hi", 10s), "echo:hi");
   EXPECT_EQ(r.router().client_count(), 2u);
+}
+
+// The router remembers where each link's last frame went (Link::last_route):
+// once that destination has gone, the same link's next frame to it finds no
+// route, instead of the link the router freed. The sender is a raw peer: a
+// Connection would itself refuse to call a context it was told had gone.
+TEST(Listener, AFrameToADestinationThatLeftAfterTheLastOneFindsNoRoute) {
+  constexpr std::uint32_t kReplyTo = 7000;
+  InProcessRouter r;
+  auto a = r.client(serve_echo);
+  RawPeer raw = RawPeer::connect_to(r.address());
+  const std::uint32_t self = raw.handshake();
+  const std::uint32_t gone = a->id();
+  Message m;
+  for (int i = 0; i < 3; ++i) {
+    raw.send_frame(frame(gone, self, self, kEcho, kReplyTo), "hi");
+    ASSERT_TRUE(raw.read_frame_for(self, kReplyTo, m));
+    EXPECT_EQ(m.text(), "echo:hi");
+  }
+  a->close();
+  ASSERT_TRUE(eventually([&] { return r.router().client_count() == 1u; }));
+  raw.send_frame(frame(gone, self, self, kEcho, kReplyTo), "again");
+  ASSERT_TRUE(raw.read_frame_for(self, kReplyTo, m));
+  EXPECT_TRUE(m.header.is_dead());
+  EXPECT_TRUE(contains(m.text(), reason::kNoRoute)) << m.text();
+  auto c = r.client(serve_echo);  // and its frames to another context go there
+  raw.send_frame(frame(c->id(), self, self, kEcho, kReplyTo), "new");
+  ASSERT_TRUE(raw.read_frame_for(self, kReplyTo, m));
+  EXPECT_EQ(m.text(), "echo:new");
 }
 
 // The router's welcome says how large a body it takes; a client with a
