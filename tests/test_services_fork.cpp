@@ -96,6 +96,17 @@ TEST(ServicesPolicy, EachPolicyAcceptsAndRefusesRealCallers) {
   expect_exit_code(child, 0);
 }
 
+// A forked child's life in the tests below: its own pool serving child.pid.
+int serve_pid(ChildEnv& env) {
+  services::Pool pool(pool_of(2));
+  services::ServiceHost host(env.router(), pool);
+  auto svc = std::make_unique<Service>("child");
+  svc->expose("pid", Access::any(), [](Request&) { return Payload::copy_of(std::to_string(::getpid())); });
+  host.add(std::move(svc));
+  env.serve();
+  return 0;
+}
+
 // A busy pool, callers keeping calls in flight, and fork_child() in the
 // middle: each child builds its own broker, router and pool and serves a
 // call. The callers pause at each fork with their calls still queued or
@@ -149,15 +160,7 @@ TEST(ServicesFork, ForkWhileThePoolIsBusy) {
     // Before the fix a fork waited up to 2 s for pool jobs that needed the
     // broker; the guard now waits at most kForkQuiesceLimit (10 ms).
     const auto fork_began = std::chrono::steady_clock::now();
-    Context child = fork_child(rig.router, [](ChildEnv& env) {
-      services::Pool pool(pool_of(2));
-      services::ServiceHost host(env.router(), pool);
-      auto svc = std::make_unique<Service>("child");
-      svc->expose("pid", Access::any(), [](Request&) { return Payload::copy_of(std::to_string(::getpid())); });
-      host.add(std::move(svc));
-      env.serve();
-      return 0;
-    }, named(fmt::format("forked-{}", round)));
+    Context child = fork_child(rig.router, serve_pid, named(fmt::format("forked-{}", round)));
     const auto fork_took = std::chrono::steady_clock::now() - fork_began;
     EXPECT_LT(fork_took, 1500ms) << "a fork from a busy process stalled";
     pause = false;
@@ -193,15 +196,7 @@ TEST(ServicesFork, ForkGoesAheadPastAWorkerStuckInAMessage) {
   });
   rig.add(std::move(s));
   auto fork_and_call = [&rig](const std::string& name) {
-    Context child = fork_child(rig.router, [](ChildEnv& env) {
-      services::Pool pool(pool_of(1));
-      services::ServiceHost host(env.router(), pool);
-      auto svc = std::make_unique<Service>("child");
-      svc->expose("pid", Access::any(), [](Request&) { return Payload::copy_of(std::to_string(::getpid())); });
-      host.add(std::move(svc));
-      env.serve();
-      return 0;
-    }, named(name));
+    Context child = fork_child(rig.router, serve_pid, named(name));
     EXPECT_EQ(services::call_text(child, "child", "pid", {}, 30s), std::to_string(child.pid()));
     child.shutdown();
     expect_exit_code(child, 0);
