@@ -32,10 +32,11 @@ std::shared_ptr<Stream> Router::add_client_stream(int fd, const std::string& nam
   }
   StreamOptions so = stream_options(name);
   so.untrusted = true;  // any client may be hostile (docs/PROTOCOL.md §14)
+  so.uid = opts.uid;    // its share of the budgets is its uid's
   auto s = Stream::create(broker_, fd, fd, std::move(so), std::move(handshake), this);
   Link& l = register_link(s, StreamRole::kChild, 0, name);
   l.client = opts;
-  l.state = Charge(std::make_shared<Account>(opts_.peer_memory_limit, state_budget_), 0);
+  l.state = Charge(std::make_shared<Account>(opts_.peer_memory_limit, state_budget_, opts.uid), 0);
   ++clients_;
   ++clients_by_uid_[opts.uid];
   s->start();

@@ -32,6 +32,8 @@
 // Destroying a Router shuts its broker down and joins it first.
 #pragma once
 
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -84,7 +86,7 @@ enum class StreamRole { kParent, kChild };
 struct ClientLinkOptions {
   bool trusted = true;    // same uid as the router (docs/PROTOCOL.md §2.10)
   std::uint32_t pid = 0;  // from SO_PEERCRED, for logs and stats
-  std::uint32_t uid = 0;
+  std::uint32_t uid = static_cast<std::uint32_t>(::geteuid());  // SO_PEERCRED's
 };
 
 // One client as the stats service reports it.

@@ -4,6 +4,8 @@
 // reader is resumed once, not on every release.
 #include "stream/account.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -32,14 +34,35 @@ void MemoryBudget::sub(std::size_t n) {
     relief_();
 }
 
-Account::Account(std::size_t limit, std::shared_ptr<MemoryBudget> budget)
+std::shared_ptr<UidShare> MemoryBudget::join(std::uint32_t uid) {
+  std::lock_guard lk(shares_mu_);
+  auto& share = shares_[uid];
+  if (!share) {
+    share = std::make_shared<UidShare>(uid);
+    uids_.fetch_add(1, std::memory_order_relaxed);
+  }
+  share->peers.fetch_add(1, std::memory_order_relaxed);
+  peers_.fetch_add(1, std::memory_order_relaxed);
+  return share;
+}
+
+void MemoryBudget::leave(const std::shared_ptr<UidShare>& share) {
+  std::lock_guard lk(shares_mu_);
+  peers_.fetch_sub(1, std::memory_order_relaxed);
+  if (share->peers.fetch_sub(1, std::memory_order_relaxed) == 1) {
+    shares_.erase(share->uid);
+    uids_.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+Account::Account(std::size_t limit, std::shared_ptr<MemoryBudget> budget, std::optional<std::uint32_t> uid)
     : limit_(limit), budget_(std::move(budget)) {
-  if (budget_) budget_->peers_.fetch_add(1, std::memory_order_relaxed);
+  if (budget_) share_ = budget_->join(uid.value_or(static_cast<std::uint32_t>(::geteuid())));
 }
 
 Account::~Account() {
   if (!budget_) return;
-  budget_->peers_.fetch_sub(1, std::memory_order_relaxed);
+  budget_->leave(share_);
   // Nothing is left charged here: every Charge holds its account alive.
   std::size_t left = held_.load(std::memory_order_relaxed);
   if (left) budget_->sub(left);
@@ -47,7 +70,7 @@ Account::~Account() {
 
 bool Account::over_with(std::size_t h) const {
   if (h > limit_) return true;
-  return budget_ && budget_->over() && h > budget_->fair_share();
+  return budget_ && budget_->over() && h > fair_share();
 }
 
 bool Account::over() const { return over_with(held()); }
@@ -96,7 +119,7 @@ bool Account::try_charge_fair(std::size_t n) {
   if (budget_) {
     const std::size_t total = budget_->held() + n;
     if (total > 2 * budget_->limit()) return false;
-    if (total > budget_->limit() && held() + n > budget_->fair_share()) return false;
+    if (total > budget_->limit() && held() + n > fair_share()) return false;
   }
   return charge_within_own_limit(n);
 }
@@ -149,8 +172,7 @@ bool FdBudget::admits(const Account& a) const {
   const std::size_t h = held();
   if (h < limit_) return true;
   if (h >= 2 * limit_) return false;
-  const std::size_t peers = a.budget() ? std::max<std::size_t>(1, a.budget()->peers()) : 1;
-  return a.fds() < limit_ / peers;
+  return a.fds() < a.share_of(limit_);
 }
 
 std::shared_ptr<void> FdBudget::charge(std::size_t n, std::shared_ptr<Account> account) {

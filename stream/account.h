@@ -23,8 +23,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -38,7 +42,21 @@ enum class PeerCharge {
   kWithinLimits,  // an untrusted one: only if it fits its own and the global limit
 };
 
+// The peers of one uid among those that share a budget (UidShare::peers).
+struct UidShare {
+  explicit UidShare(std::uint32_t u) : uid(u) {}
+  const std::uint32_t uid;
+  std::atomic<std::size_t> peers{0};
+};
+
 // What all the peers of one router may make it hold together.
+//
+// Fair shares go by uid first: a budget's limit is divided among the uids
+// that have peers, then each uid's part among its peers. A router admits
+// one uid unless told otherwise (--allow-uid), and then a peer's share is
+// limit / peers. With several, a user who opens many connections divides
+// only his own part: split by peer, 2,000 connections of one user would
+// have left each peer of another user a 2,001st of the budget.
 class MemoryBudget {
  public:
   explicit MemoryBudget(std::size_t limit = kDefaultGlobalMemoryLimit) : limit_(limit) {}
@@ -47,11 +65,13 @@ class MemoryBudget {
   std::size_t peak() const { return peak_.load(std::memory_order_relaxed); }
   std::size_t limit() const { return limit_; }
   bool over() const { return held() > limit_; }
-  // Accounts sharing the budget: the fair share of a peer is limit / peers.
+  // Accounts sharing the budget, and the uids they belong to.
   std::size_t peers() const { return peers_.load(std::memory_order_relaxed); }
-  std::size_t fair_share() const {
-    std::size_t n = peers();
-    return n ? limit_ / n : limit_;
+  std::size_t uids() const { return uids_.load(std::memory_order_relaxed); }
+  // A peer of `share`'s uid's part of `total` (the limit, or an fd budget's).
+  std::size_t share_of(std::size_t total, const UidShare& share) const {
+    return total / std::max<std::size_t>(1, uids()) /
+           std::max<std::size_t>(1, share.peers.load(std::memory_order_relaxed));
   }
   // Called once each time a release brings the budget back under its limit:
   // peers paused only for the global limit may be read again.
@@ -61,19 +81,28 @@ class MemoryBudget {
   friend class Account;
   void add(std::size_t n);
   void sub(std::size_t n);
+  // An account of `uid` joins or leaves (its constructor and destructor).
+  std::shared_ptr<UidShare> join(std::uint32_t uid);
+  void leave(const std::shared_ptr<UidShare>& share);
 
   const std::size_t limit_;
   std::atomic<std::size_t> held_{0};
   std::atomic<std::size_t> peak_{0};
   std::atomic<std::size_t> peers_{0};
+  std::atomic<std::size_t> uids_{0};
   std::atomic<bool> was_over_{false};
   std::function<void()> relief_;  // set before the budget is shared
+  std::mutex shares_mu_;          // shares_: accounts made and gone, never charges
+  std::map<std::uint32_t, std::shared_ptr<UidShare>> shares_;  // the uids with peers
 };
 
 class Account {
  public:
-  // `budget` may be null (a stream on its own, as in tests).
-  Account(std::size_t limit, std::shared_ptr<MemoryBudget> budget);
+  // `budget` may be null (a stream on its own, as in tests). `uid`: the
+  // peer's (SO_PEERCRED), whose part of the budget it shares; by default
+  // this process's (a parent or a child).
+  Account(std::size_t limit, std::shared_ptr<MemoryBudget> budget,
+          std::optional<std::uint32_t> uid = std::nullopt);
   ~Account();
   Account(const Account&) = delete;
   Account& operator=(const Account&) = delete;
@@ -109,6 +138,12 @@ class Account {
   // more than its fair share of it: a peer holding little keeps being served
   // while a few others flood.
   bool over() const;
+  // Its part of the budget's limit (MemoryBudget: by uid, then by peer); its
+  // own limit without a budget.
+  std::size_t fair_share() const { return budget_ ? budget_->share_of(budget_->limit(), *share_) : limit_; }
+  // Its part of `total` by the same rule (FdBudget::admits); all of it
+  // without a budget.
+  std::size_t share_of(std::size_t total) const { return budget_ ? budget_->share_of(total, *share_) : total; }
   const std::shared_ptr<MemoryBudget>& budget() const { return budget_; }
   // Called once each time a release brings an over() account back under.
   void on_relief(std::function<void()> fn) { relief_ = std::move(fn); }
@@ -126,6 +161,7 @@ class Account {
 
   const std::size_t limit_;
   std::shared_ptr<MemoryBudget> budget_;
+  std::shared_ptr<UidShare> share_;  // with a budget: this peer's uid there
   std::atomic<std::size_t> held_{0};
   std::atomic<std::size_t> peak_{0};
   std::atomic<bool> was_over_{false};
@@ -135,7 +171,8 @@ class Account {
 // What all the peers of one process may make it hold in file descriptors:
 // those received and not yet passed on, handed over or closed. Past the
 // limit an untrusted peer's fds are taken only while it holds less than its
-// share (the limit divided among the peers), and never past twice the limit
+// share (the limit divided as the memory budget is: among the uids, then
+// among each uid's peers), and never past twice the limit
 // (StreamOptions::fd_budget); the kernel discards the rest, and the frames
 // they came with are refused. So no client can fill this process's fd table
 // however many connections it opens, and one that spends the budget does

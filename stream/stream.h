@@ -123,6 +123,9 @@ struct StreamOptions {
   std::chrono::milliseconds handshake_timeout{10000};
   std::size_t memory_limit = kDefaultPeerMemoryLimit;  // the peer's Account
   std::shared_ptr<MemoryBudget> budget;                // shared by a router's peers
+  // The peer's uid, whose part of the budget it shares (MemoryBudget); if
+  // unset, this process's (a parent or a child).
+  std::optional<std::uint32_t> uid;
   // A peer over its memory limit whose own output makes no progress for this
   // long is disconnected (0: never).
   std::chrono::milliseconds stall_timeout{10000};

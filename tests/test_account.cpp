@@ -4,7 +4,10 @@
 // admission of memfd bodies (try_charge_within), and relief callbacks that
 // fire once per return under a limit (a paused reader is resumed once, not
 // on every release).
+#include <unistd.h>
+
 #include <memory>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -60,7 +63,7 @@ TEST(Account, AnExceededBudgetStopsOnlyThePeersOverTheirFairShare) {
   auto budget = std::make_shared<MemoryBudget>(9000);
   Account big(1'000'000, budget), mid(1'000'000, budget), small(1'000'000, budget);
   EXPECT_EQ(budget->peers(), 3u);
-  EXPECT_EQ(budget->fair_share(), 3000u);
+  EXPECT_EQ(big.fair_share(), 3000u);
   big.charge(8000);
   mid.charge(900);
   EXPECT_FALSE(budget->over());
@@ -74,9 +77,60 @@ TEST(Account, AnExceededBudgetStopsOnlyThePeersOverTheirFairShare) {
   EXPECT_FALSE(big.over());
   {
     Account fourth(1'000'000, budget);  // a new peer shrinks everyone's share
-    EXPECT_EQ(budget->fair_share(), 2250u);
+    EXPECT_EQ(small.fair_share(), 2250u);
   }
   EXPECT_EQ(budget->peers(), 3u);
+}
+
+// With peers of several uids (a router with --allow-uid), the limit is
+// divided among the uids first: a user who opens many connections divides
+// his own part, not the others'. Before, a peer's share was limit / peers,
+// and the 8 connections of one uid left the one peer of another a ninth.
+TEST(Account, TheFairShareIsDividedAmongTheUidsFirst) {
+  constexpr std::uint32_t kMine = 1000, kOther = 2000;
+  auto budget = std::make_shared<MemoryBudget>(8000);
+  std::vector<std::unique_ptr<Account>> flood;
+  for (int i = 0; i < 8; ++i) flood.push_back(std::make_unique<Account>(1'000'000, budget, kOther));
+  Account alone(1'000'000, budget, kMine);
+  EXPECT_EQ(budget->peers(), 9u);
+  EXPECT_EQ(budget->uids(), 2u);
+  EXPECT_EQ(alone.fair_share(), 4000u) << "half the limit for the uid, all of it for its one peer";
+  EXPECT_EQ(flood[0]->fair_share(), 500u) << "the other half among the 8 of the other uid";
+  for (auto& a : flood) a->charge(1100);  // 8800: the budget is over
+  alone.charge(3000);
+  ASSERT_TRUE(budget->over());
+  EXPECT_FALSE(alone.over()) << "3000 is within its uid's 4000";
+  EXPECT_TRUE(flood[0]->over()) << "1100 is over its 500";
+  EXPECT_TRUE(alone.try_charge_fair(900)) << "3900 fits its share, under twice the limit";
+  EXPECT_FALSE(flood[1]->try_charge_fair(1)) << "a flooder over its share gets no more state";
+  // A uid whose last peer goes gives its part back.
+  flood.clear();
+  EXPECT_EQ(budget->uids(), 1u);
+  EXPECT_EQ(alone.fair_share(), 8000u);
+  // Without a uid, an account is this process's: one uid with a peer of
+  // that uid, and a second uid beside any other.
+  Account own(1'000'000, budget, static_cast<std::uint32_t>(::geteuid()));
+  Account defaulted(1'000'000, budget);
+  EXPECT_EQ(budget->uids(), kMine == ::geteuid() ? 1u : 2u);
+  EXPECT_EQ(own.fair_share(), defaulted.fair_share());
+}
+
+// The fd budget divides its limit the same way: past the limit, a peer's
+// fds are taken while it holds less than its uid's part among its peers.
+TEST(Account, TheFdBudgetIsDividedAmongTheUidsFirst) {
+  auto budget = std::make_shared<MemoryBudget>(1 << 20);
+  auto fds = std::make_shared<FdBudget>(8);
+  std::vector<std::shared_ptr<Account>> flood;
+  for (int i = 0; i < 4; ++i) flood.push_back(std::make_shared<Account>(1 << 20, budget, 2000));
+  auto alone = std::make_shared<Account>(1 << 20, budget, 1000);
+  std::vector<std::shared_ptr<void>> held;
+  for (auto& a : flood) held.push_back(fds->charge(2, a));  // 8 fds: the limit reached
+  EXPECT_FALSE(fds->admits(*flood[0])) << "2 fds, over its 8 / 2 uids / 4 peers = 1";
+  EXPECT_TRUE(fds->admits(*alone));
+  held.push_back(fds->charge(3, alone));
+  EXPECT_TRUE(fds->admits(*alone)) << "3 fds, under its uid's 4";
+  held.push_back(fds->charge(1, alone));
+  EXPECT_FALSE(fds->admits(*alone)) << "4 fds: its uid's part is spent";
 }
 
 TEST(Account, ReliefFiresOnceEachTimeALimitIsLeftBehind) {

@@ -5,7 +5,12 @@
 // limit would still allow, while a peer holding little goes on being served.
 // So the router holds at most about twice its global limit whatever its
 // per-peer limits add up to. Also §2's aggregation of repeated refusals.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -89,6 +94,99 @@ TEST_F(Hardening, TheGlobalLimitStopsReadingPeersOverTheirFairShare) {
   EXPECT_TRUE(eventually([&] {
     return stats_field(router_stats_text(socket()), " memory_held=") < held_before;
   }, 30s)) << router_stats_text(socket());
+}
+
+// The budget's fair shares go by uid first (stream/account.h, MemoryBudget):
+// a user admitted with --allow-uid who opens many connections divides only
+// his own half. Fifteen connections of uid 65534 flood dead replies at
+// themselves and never read, past the 8 MiB global limit; a client of the
+// router's own uid is then still read up to its uid's half shared with the
+// good client (2 MiB), where by peers (limit / 17) it was paused under 0.9
+// MiB, a 17th of the budget plus one read and its answers.
+TEST(HardeningUids, ManyConnectionsOfOneUidDivideOnlyThatUidsPartOfTheBudget) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  constexpr uid_t kOther = 65534;
+  constexpr int kHostile = 15;
+  constexpr long long kGlobal = 8 << 20;
+  TempDir dir;
+  const std::string sock = fmt::format("@spindle-test-uid-share-{}", ::getpid());
+  RouterProcess router(SPINDLE_ROUTER_BINARY, sock,
+                       {"--allow-uid", std::to_string(kOther), "--memory-limit", "8M",
+                        "--peer-memory-limit", "64M", "--stall-timeout", "120s", "--log-level", "info"},
+                       dir.path() + "/router.log");
+  ASSERT_TRUE(router.wait_ready()) << router.log();
+  auto good = connect(sock, RouterOptions{.name = "good"});
+  const UnixAddress address = UnixAddress::parse(sock);
+  // Frames to nowhere that want an answer, from context `id` to itself.
+  auto burst_from = [](std::uint32_t id) {
+    std::string burst;
+    for (int k = 0; k < 4096; ++k) burst += frame_bytes(frame(kNowhere, id, id, kEcho, 7), "");
+    return burst;
+  };
+  int ids_pipe[2], hold_pipe[2];
+  ASSERT_EQ(::pipe2(ids_pipe, O_CLOEXEC), 0);
+  ASSERT_EQ(::pipe2(hold_pipe, O_CLOEXEC), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // the other user: its connections flood, then stay until told
+    ::close(ids_pipe[0]);
+    ::close(hold_pipe[1]);
+    if (::setgid(kOther) != 0 || ::setuid(kOther) != 0) ::_exit(2);
+    std::vector<RawPeer> peers;
+    for (int i = 0; i < kHostile; ++i) {
+      RawPeer p = RawPeer::connect_to(address);
+      const std::uint32_t id = p.handshake();
+      flood(p, burst_from(id), 500ms, 20s);
+      if (::write(ids_pipe[1], &id, sizeof id) != sizeof id) ::_exit(3);
+      peers.push_back(std::move(p));
+    }
+    ::close(ids_pipe[1]);
+    char c;
+    while (::read(hold_pipe[0], &c, 1) > 0) {
+    }
+    ::_exit(0);
+  }
+  ::close(ids_pipe[1]);
+  ::close(hold_pipe[0]);
+  std::vector<std::uint32_t> hostile;
+  for (std::uint32_t id; ::read(ids_pipe[0], &id, sizeof id) == sizeof id;) hostile.push_back(id);
+  ::close(ids_pipe[0]);
+  auto reap = [&] {
+    ::close(hold_pipe[1]);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+  };
+  ASSERT_EQ(hostile.size(), static_cast<std::size_t>(kHostile)) << router.log();
+  const std::string before = router_stats_text(sock);
+  EXPECT_GT(stats_field(before, " memory_held="), kGlobal)
+      << "the other uid never exceeded the budget: the test proves nothing\n" << before;
+
+  // A client of the router's own uid floods the same way until it is paused.
+  RawPeer mine = RawPeer::connect_to(address);
+  const std::uint32_t id = mine.handshake();
+  const std::string burst = burst_from(id);
+  auto line_of = [&](std::uint32_t cid) {
+    std::istringstream in(router_stats_text(sock));
+    std::string line, want = fmt::format("client id={} ", cid);
+    while (std::getline(in, line))
+      if (line.rfind(want, 0) == 0) return line;
+    return std::string();
+  };
+  bool paused = false;
+  for (int round = 0; round < 5 && !paused; ++round) {
+    flood(mine, burst, 2s, 30s);
+    paused = stats_field(line_of(id), " paused=") == 1;
+  }
+  const std::string line = line_of(id);
+  std::printf("%s\n", line.c_str());
+  reap();
+  ASSERT_TRUE(paused) << "never paused: " << line << "\n" << router_stats_text(sock);
+  EXPECT_GT(stats_field(line, " memory_peak="), 3ll << 19)
+      << "paused under 1.5 MiB: its share was cut by the other uid's connections\n" << line;
+  EXPECT_LT(stats_field(line, " memory_peak="), 4ll << 20) << "past its uid's half: " << line;
+  EXPECT_EQ(services::call_text(good->router_context(), services::kPingService, services::kPingMethod, "hi",
+                                std::chrono::seconds(20)),
+            "hi");
 }
 
 // §2: repeated refusals from one client are summed up, a line a second at
