@@ -72,9 +72,11 @@ constexpr std::uint32_t kBig = 2104;
 constexpr std::size_t kSmall = 64;
 constexpr std::size_t kFrame = spindle::kHeaderSize + kSmall;  // 90 bytes on the wire
 
-// Targets from the issue.
-constexpr double kRttTargetRatio = 2.0;
-constexpr double kOnewayTarget = 8e6;
+// Targets, as ratios to the floor measured in the same run: issue #12's for
+// the round trip and the one-way rate (#1 asked <= 2x and 8 M msgs/s, an
+// absolute rate that depends on the machine); #1's for the receiver's RSS.
+constexpr double kRttTargetRatio = 1.3;
+constexpr double kOnewayTargetRatio = 0.6;
 constexpr double kBigRssTarget = 1.1;
 
 struct Config {
@@ -598,7 +600,7 @@ void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
     double ratio = s.median / r.median;
     add_row(fmt::format("rtt 64 B {}, median", k.label), fmt::format("{:.1f} us", s.median),
             fmt::format("{:.1f} us", r.median), fmt::format("{:.2f}x", ratio),
-            fmt::format("<= {:.0f}x raw", kRttTargetRatio), ratio <= kRttTargetRatio);
+            fmt::format("<= {:.1f}x raw", kRttTargetRatio), ratio <= kRttTargetRatio);
     add_row(fmt::format("rtt 64 B {}, p99", k.label), fmt::format("{:.1f} us", s.p99),
             fmt::format("{:.1f} us", r.p99), fmt::format("{:.2f}x", s.p99 / r.p99));
     const std::string name = "rtt_64B_" + row_word(k.label);
@@ -835,7 +837,7 @@ void section_oneway(const Config& cfg) {
   double sp_rate = n / sp.seconds, raw_rate = n / raw.seconds;
   add_row("one-way 64 B, msgs/s", fmt::format("{:.2f} M/s", sp_rate / 1e6),
           fmt::format("{:.2f} M/s", raw_rate / 1e6), fmt::format("{:.2f}x", sp_rate / raw_rate),
-          fmt::format(">= {:.0f} M/s", kOnewayTarget / 1e6), sp_rate >= kOnewayTarget);
+          fmt::format(">= {:.1f}x raw", kOnewayTargetRatio), sp_rate >= kOnewayTargetRatio * raw_rate);
   g_notes.push_back(fmt::format(
       "one-way: N = {} (unpinned); spindle: sends returned after {:.3f} s, last counted at {:.3f} s; "
       "raw: writev x{} frames, {:.3f} s",
