@@ -261,7 +261,14 @@ class Router : public StreamListener, public ShutdownParticipant {
   // many contexts behind its link (ids it was allocated), and must not get
   // a share for each. Otherwise (this context, or one above or beside it,
   // through the parent) the context itself: the parent is not one sender.
-  std::uint64_t fair_share_key(std::uint32_t auth_id) const;
+  std::uint64_t fair_share_key(std::uint32_t auth_id) const { return share_key(auth_id).sender; }
+  // The same, and the uid of that link's peer (this process's for a context
+  // through the parent, or this one), among whose links its part is divided.
+  struct ShareKey {
+    std::uint64_t sender;
+    std::uint32_t uid;
+  };
+  ShareKey share_key(std::uint32_t auth_id) const;
   // Any thread, O(1): the uid of the connected client `id`; nullopt for any
   // other context (an access check asks it on every call).
   std::optional<std::uint32_t> client_uid(std::uint32_t id) const;

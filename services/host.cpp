@@ -131,8 +131,8 @@ void ServiceHost::on_request(Message&& m) {
   if (svc->mode() == RunMode::kConcurrent)
     if (const Service::Exposed* ex = svc->find(d.envelope.method); ex && ex->on_receiver)
       return run(*svc, std::move(m));
-  const std::uint64_t sender = router_.fair_share_key(m.header.auth_id);
-  pool_.submit(*lane, std::move(m), sender);
+  const Router::ShareKey key = router_.share_key(m.header.auth_id);
+  pool_.submit(*lane, std::move(m), key.sender, key.uid);
 }
 
 void ServiceHost::run(Service& svc, Message&& m) {

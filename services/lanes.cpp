@@ -12,6 +12,8 @@
 // spurious wake-ups; handing off directly pays neither.
 #include "services/lanes.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <thread>
 
@@ -59,13 +61,23 @@ Lane::SenderLoad* Lane::load_of(std::uint64_t sender) {
 // share of both bounds.
 bool Lane::within_share(const SenderLoad* load, std::size_t size) const {
   if (!load) return true;
-  const std::size_t n = senders_.size();
+  // The bounds divided among the uids with work here, then among the
+  // senders of this one's uid.
+  std::size_t mine = 1;
+  for (const UidLoad& u : uids_)
+    if (u.uid == load->uid) mine = u.senders;
+  const std::size_t n = uids_.size() * mine;
   return load->messages < opts_.max_messages / n && load->bytes + size <= opts_.max_bytes / n;
 }
 
-void Lane::add_load(std::uint64_t sender, std::size_t size) {
+void Lane::add_load(std::uint64_t sender, std::uint32_t uid, std::size_t size) {
   SenderLoad* l = load_of(sender);
-  if (!l) l = &senders_.emplace_back(SenderLoad{sender, 0, 0});
+  if (!l) {
+    l = &senders_.emplace_back(SenderLoad{sender, uid, 0, 0});
+    auto u = std::find_if(uids_.begin(), uids_.end(), [uid](const UidLoad& x) { return x.uid == uid; });
+    if (u == uids_.end()) uids_.push_back(UidLoad{uid, 1});
+    else ++u->senders;
+  }
   ++l->messages;
   l->bytes += size;
 }
@@ -75,8 +87,19 @@ void Lane::remove_load(std::uint64_t sender, std::size_t size) {
   if (!l) return;
   l->bytes -= std::min(l->bytes, size);
   if (--l->messages > 0) return;
+  const std::uint32_t uid = l->uid;
   *l = senders_.back();
   senders_.pop_back();
+  auto u = std::find_if(uids_.begin(), uids_.end(), [uid](const UidLoad& x) { return x.uid == uid; });
+  if (u != uids_.end() && --u->senders == 0) {
+    *u = uids_.back();
+    uids_.pop_back();
+  }
+}
+
+std::uint32_t LaneSet::own_uid() {
+  static const std::uint32_t uid = static_cast<std::uint32_t>(::geteuid());
+  return uid;
 }
 
 void LaneSet::enter_ring_locked(Lane& lane) {
@@ -130,7 +153,7 @@ void LaneSet::hand_out_locked(WakeList& wake) {
   }
 }
 
-LaneSet::Push LaneSet::push(Lane& lane, Message& m, std::uint64_t sender) {
+LaneSet::Push LaneSet::push(Lane& lane, Message& m, std::uint64_t sender, std::uint32_t uid) {
   WakeList wake;
   {
     std::lock_guard lk(mu_);
@@ -157,7 +180,7 @@ LaneSet::Push LaneSet::push(Lane& lane, Message& m, std::uint64_t sender) {
     // a message taken at once is not copied.
     if (backlog && size <= kCopiedWhenQueued) m.data = m.data.owned_copy();
     lane.queued_bytes_ += size;
-    lane.add_load(sender, size);
+    lane.add_load(sender, uid, size);
     lane.queue_.push_back(Lane::Queued{std::move(m), sender});
     ++stats_.pushed;
     ++stats_.queued;
@@ -320,6 +343,7 @@ std::vector<Message> LaneSet::retire(Lane& lane) {
   lane.queue_.clear();
   lane.queued_bytes_ = 0;
   lane.senders_.clear();
+  lane.uids_.clear();
   return left;
 }
 
@@ -334,6 +358,7 @@ std::vector<LaneSet::Taken> LaneSet::close() {
       l->queue_.clear();
       l->queued_bytes_ = 0;
       l->senders_.clear();
+      l->uids_.clear();
       l->in_ring_ = false;
     }
     ring_.clear();

@@ -14,9 +14,11 @@
 //    of every other lane with work, however deep those lanes are.
 //  - Bounds rule: a lane holds up to its bounds (LaneOptions); past them, a
 //    sender still queued only while it holds less than its share of them:
-//    the bounds divided among the senders with work queued there. Who the
-//    sender is, the pusher says (by default the message's auth_id; a
-//    ServiceHost says the link it came by: Router::fair_share_key). So one peer that fills a shared lane (a router's
+//    the bounds divided among the uids with work queued there, then among
+//    each uid's senders (as a router's memory budget is: stream/account.h).
+//    Who the sender is and its uid, the pusher says (by default the
+//    message's auth_id and this process's uid; a ServiceHost says the link
+//    it came by: Router::share_key). So one peer that fills a shared lane (a router's
 //    ping service) shuts the others out for no longer than it took to fill
 //    it; they get their share, it gets refusals. A lane holds at most twice
 //    its bounds, as a router holds about twice its global memory limit.
@@ -93,12 +95,18 @@ class Lane {
   // steady traffic allocates nothing.
   struct SenderLoad {
     std::uint64_t id;
+    std::uint32_t uid;
     std::size_t messages;
     std::size_t bytes;
   };
+  // The senders of one uid with work queued here.
+  struct UidLoad {
+    std::uint32_t uid;
+    std::size_t senders;
+  };
   SenderLoad* load_of(std::uint64_t sender);
   bool within_share(const SenderLoad* load, std::size_t size) const;
-  void add_load(std::uint64_t sender, std::size_t size);
+  void add_load(std::uint64_t sender, std::uint32_t uid, std::size_t size);
   void remove_load(std::uint64_t sender, std::size_t size);
 
   struct Queued {
@@ -108,6 +116,7 @@ class Lane {
   std::deque<Queued> queue_;  // guarded by the set's mutex
   std::size_t queued_bytes_ = 0;  // payload bytes in queue_, likewise
   std::vector<SenderLoad> senders_;  // likewise
+  std::vector<UidLoad> uids_;        // likewise: the uids of senders_
   bool in_ring_ = false;
   bool running_ = false;       // serialized lanes: one of its messages runs
   bool retired_ = false;       // refuses new messages
@@ -142,10 +151,12 @@ class LaneSet {
   // Queues `m` on `lane`, handing it to an idle thread if the lane may run.
   // Leaves `m` untouched unless kQueued: kClosed once draining or closed,
   // kFull when the lane holds its maximum (LaneOptions). `sender` is whose
-  // share it counts against (the bounds rule); the first form says the
-  // message's auth_id.
-  Push push(Lane& lane, Message& m) { return push(lane, m, m.header.auth_id); }
-  Push push(Lane& lane, Message& m, std::uint64_t sender);
+  // share it counts against (the bounds rule), and `uid` whose part of the
+  // bounds that sender's share is taken from; the first form says the
+  // message's auth_id and this process's uid.
+  Push push(Lane& lane, Message& m) { return push(lane, m, m.header.auth_id, own_uid()); }
+  Push push(Lane& lane, Message& m, std::uint64_t sender, std::uint32_t uid);
+  static std::uint32_t own_uid();
   // Waits for a message until `deadline`. Empty on timeout, or when draining
   // with nothing left, or closed. Every message taken must be done() after.
   // With a loop set, a taker runs that broker's loop while it waits and no

@@ -73,8 +73,8 @@ Lane& Pool::add_lane(LaneOptions opts, Job run, Reject reject) {
   return lane;
 }
 
-void Pool::submit(Lane& lane, Message&& m, std::uint64_t sender) {
-  switch (lanes_.push(lane, m, sender)) {
+void Pool::submit(Lane& lane, Message&& m, std::uint64_t sender, std::uint32_t uid) {
+  switch (lanes_.push(lane, m, sender, uid)) {
     case LaneSet::Push::kQueued: return;
     case LaneSet::Push::kClosed:
       return static_cast<LaneJob*>(lane.owner)->reject(std::move(m), reason::kShuttingDown);
@@ -97,8 +97,8 @@ std::uint32_t Pool::add_handler(Router& router, HandlerFn fn, LaneOptions lane_o
   lanes_.set_loop(&router.broker());
   std::uint32_t h = router.add_handler(
       [this, &lane, &router](Message&& m) {
-        const std::uint64_t sender = router.fair_share_key(m.header.auth_id);
-        submit(lane, std::move(m), sender);
+        const Router::ShareKey key = router.share_key(m.header.auth_id);
+        submit(lane, std::move(m), key.sender, key.uid);
       },
                                        std::move(opts), handle);
   if (h == 0) throw Error(fmt::format("pool {}: handle {} is already taken", opts_.name, handle));

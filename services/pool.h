@@ -66,10 +66,14 @@ class Pool : public ShutdownParticipant {
 
   Lane& add_lane(LaneOptions opts, Job run, Reject reject);
   // Queues `m` on the lane; once stopping, hands it to the lane's Reject.
-  // `sender` is whose share of the lane's bounds it counts against
-  // (LaneSet::push): Router::fair_share_key for what a router received.
-  void submit(Lane& lane, Message&& m) { submit(lane, std::move(m), m.header.auth_id); }
-  void submit(Lane& lane, Message&& m, std::uint64_t sender);
+  // `sender` is whose share of the lane's bounds it counts against, and
+  // `uid` whose part of them that share comes from (LaneSet::push):
+  // Router::share_key for what a router received.
+  void submit(Lane& lane, Message&& m) {
+    const std::uint64_t sender = m.header.auth_id;
+    submit(lane, std::move(m), sender, LaneSet::own_uid());
+  }
+  void submit(Lane& lane, Message&& m, std::uint64_t sender, std::uint32_t uid);
   // A router handle whose messages run on this pool (not on the broker
   // thread). After stop its requests get a dead "shutting down" reply.
   std::uint32_t add_handler(Router& router, HandlerFn fn, LaneOptions lane = {},

@@ -24,8 +24,8 @@ constexpr int kMaxDirectIov = 64;
 std::atomic<std::uint64_t> g_port_serial{1};
 }  // namespace
 
-StreamPort::StreamPort(std::size_t high_water_mark)
-    : serial(g_port_serial.fetch_add(1)), gauge(high_water_mark) {}
+StreamPort::StreamPort(std::size_t high_water_mark, std::uint32_t peer_uid)
+    : serial(g_port_serial.fetch_add(1)), uid(peer_uid), gauge(high_water_mark) {}
 
 StreamPort::Direct StreamPort::try_write(const Header& h, const Payload& body, std::size_t charged,
                                          std::string& error) {

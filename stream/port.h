@@ -132,9 +132,10 @@ class TxGate {
 
 class StreamPort {
  public:
-  explicit StreamPort(std::size_t high_water_mark);
+  StreamPort(std::size_t high_water_mark, std::uint32_t peer_uid);
 
   const std::uint64_t serial;  // unique in the process, never reused
+  const std::uint32_t uid;     // the peer's (StreamOptions::uid, else this process's)
   OutputGauge gauge;
   TxGate gate;
 

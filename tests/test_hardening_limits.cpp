@@ -19,6 +19,7 @@
 
 #include "router/reasons.h"
 #include "tests/hardening_fixture.h"
+#include "tests/listener_test_util.h"
 #include "tests/raw_peer.h"
 #include "tests/router_probe.h"
 
@@ -187,6 +188,54 @@ TEST(HardeningUids, ManyConnectionsOfOneUidDivideOnlyThatUidsPartOfTheBudget) {
   EXPECT_EQ(services::call_text(good->router_context(), services::kPingService, services::kPingMethod, "hi",
                                 std::chrono::seconds(20)),
             "hi");
+}
+
+// What a service lane divides its bounds by (services/lanes.h) comes from
+// the router: a client's link and the uid its stream was accepted with
+// (SO_PEERCRED), this process's uid for anything else.
+TEST(HardeningUids, AClientsShareKeyCarriesTheUidItConnectedWith) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  constexpr uid_t kOther = 65534;
+  ListenerOptions lo;
+  lo.address = UnixAddress{fmt::format("spindle-test-share-key-{}", ::getpid()), true};
+  lo.allowed_uids = {::geteuid(), kOther};
+  InProcessRouter root(lo);
+  auto mine = root.client();
+  int ids_pipe[2], hold_pipe[2];
+  ASSERT_EQ(::pipe2(ids_pipe, O_CLOEXEC), 0);
+  ASSERT_EQ(::pipe2(hold_pipe, O_CLOEXEC), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(ids_pipe[0]);
+    ::close(hold_pipe[1]);
+    if (::setgid(kOther) != 0 || ::setuid(kOther) != 0) ::_exit(2);
+    RawPeer p = RawPeer::connect_to(root.address());
+    const std::uint32_t id = p.handshake();
+    if (::write(ids_pipe[1], &id, sizeof id) != sizeof id) ::_exit(3);
+    char c;
+    while (::read(hold_pipe[0], &c, 1) > 0) {
+    }
+    ::_exit(0);
+  }
+  ::close(ids_pipe[1]);
+  ::close(hold_pipe[0]);
+  std::uint32_t other = 0;
+  const bool got = ::read(ids_pipe[0], &other, sizeof other) == sizeof other;
+  ::close(ids_pipe[0]);
+  const Router::ShareKey theirs = root.router().share_key(other);
+  const Router::ShareKey ours = root.router().share_key(mine->id());
+  const Router::ShareKey nobody = root.router().share_key(999999);
+  ::close(hold_pipe[1]);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  ASSERT_TRUE(got) << "the other uid's client never connected";
+  EXPECT_EQ(theirs.uid, kOther);
+  EXPECT_EQ(ours.uid, ::geteuid());
+  EXPECT_NE(theirs.sender, ours.sender);
+  EXPECT_GT(theirs.sender, 0xffffffffull) << "a client's link, above every context id";
+  EXPECT_EQ(nobody.sender, 999999u);
+  EXPECT_EQ(nobody.uid, ::geteuid());
 }
 
 // §2: repeated refusals from one client are summed up, a line a second at

@@ -340,16 +340,52 @@ TEST(ServicesLanes, ALaneHoldsAtMostTwiceItsBoundsAndCopiesWhatWaits) {
   for (std::uint64_t sender = 1; sender <= 8; ++sender) {
     Message m = Message::make(1, 2, {});
     m.data.append(Slice{chunk, chunk->data(), 64});  // as a receive chunk's slice
-    EXPECT_EQ(set.push(lane, m, sender), services::LaneSet::Push::kQueued) << "sender " << sender;
+    EXPECT_EQ(set.push(lane, m, sender, services::LaneSet::own_uid()), services::LaneSet::Push::kQueued)
+        << "sender " << sender;
   }
   EXPECT_EQ(chunk.use_count(), 2) << "only the first, taken by nobody yet, shares the chunk";
   Message fresh = lane_msg(10);
-  EXPECT_EQ(set.push(lane, fresh, 9), services::LaneSet::Push::kFull);
+  EXPECT_EQ(set.push(lane, fresh, 9, services::LaneSet::own_uid()), services::LaneSet::Push::kFull);
   EXPECT_EQ(set.stats().queued, 8u);
   auto t = set.take(std::chrono::steady_clock::now() + 1s);
   ASSERT_TRUE(t);
   EXPECT_EQ(t->msg.data.to_string(), std::string(64, 'c'));
   set.done(*t->lane);
+  set.close();
+}
+
+// Past its bounds a lane divides them among the uids with work queued
+// first, then among each uid's senders, as a router's memory budget does:
+// a user with many connections (senders) divides his own part. By sender,
+// the 6 of one uid below left the 1 of another a 7th of the bounds (1 of 8
+// messages); by uid it keeps half (4).
+TEST(ServicesLanes, PastItsBoundsALaneDividesThemAmongUidsFirst) {
+  constexpr std::uint32_t kMine = 1000, kOther = 2000;
+  services::LaneSet set;
+  services::LaneOptions o;
+  o.name = "shared";
+  o.max_messages = 8;
+  services::Lane& lane = set.add_lane(o);
+  auto push = [&](std::uint64_t sender, std::uint32_t uid) {
+    Message m = lane_msg(10);
+    return set.push(lane, m, sender, uid);
+  };
+  for (std::uint64_t sender = 1; sender <= 6; ++sender)
+    EXPECT_EQ(push(sender, kOther), services::LaneSet::Push::kQueued) << "sender " << sender;
+  EXPECT_EQ(push(100, kMine), services::LaneSet::Push::kQueued);
+  EXPECT_EQ(push(1, kOther), services::LaneSet::Push::kQueued) << "8: at the bound";
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(push(100, kMine), services::LaneSet::Push::kQueued)
+        << "its uid's half of 8 among its 1 sender: message " << i + 2 << " of 4";
+  EXPECT_EQ(push(100, kMine), services::LaneSet::Push::kFull) << "a 5th is past its 4";
+  EXPECT_EQ(push(2, kOther), services::LaneSet::Push::kFull)
+      << "the other uid's senders hold 1 each, over their 4 / 6";
+  EXPECT_EQ(push(7, kOther), services::LaneSet::Push::kQueued)
+      << "a sender holding nothing still passes its share";
+  // The uid whose work is all taken leaves: the other has the whole bounds.
+  while (auto t = set.take(std::chrono::steady_clock::now())) set.done(*t->lane);
+  for (std::uint64_t sender = 1; sender <= 8; ++sender)
+    EXPECT_EQ(push(sender, kOther), services::LaneSet::Push::kQueued) << "sender " << sender;
   set.close();
 }
 
