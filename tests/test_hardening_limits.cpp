@@ -223,6 +223,10 @@ TEST(HardeningUids, AClientsShareKeyCarriesTheUidItConnectedWith) {
   std::uint32_t other = 0;
   const bool got = ::read(ids_pipe[0], &other, sizeof other) == sizeof other;
   ::close(ids_pipe[0]);
+  // The client has its id once the welcome is written; the router routes
+  // it a moment later, on its broker thread.
+  auto routed = [&](std::uint32_t id) { return root.router().share_key(id).sender > 0xffffffffull; };
+  EXPECT_TRUE(eventually([&] { return got && routed(other) && routed(mine->id()); }, 10s));
   const Router::ShareKey theirs = root.router().share_key(other);
   const Router::ShareKey ours = root.router().share_key(mine->id());
   const Router::ShareKey nobody = root.router().share_key(999999);
