@@ -108,9 +108,8 @@ Router::ShareKey Router::share_key(std::uint32_t auth_id) const {
   std::lock_guard lk(ports_mu_);
   auto it = ports_.find(auth_id);
   if (it == ports_.end() || (parent_port_.port && it->second.port == parent_port_.port))
-    return {auth_id, static_cast<std::uint32_t>(::geteuid())};
-  const std::uint32_t uid = it->second.port ? it->second.port->uid : static_cast<std::uint32_t>(::geteuid());
-  return {(std::uint64_t{1} << 32) + it->second.serial, uid};  // above every context id
+    return {auth_id, process_uid()};
+  return {(std::uint64_t{1} << 32) + it->second.serial, it->second.port->uid};  // above every context id
 }
 
 std::uint32_t Router::add_handler(HandlerFn fn, HandlerOptions opts, std::uint32_t handle) {

@@ -32,8 +32,6 @@
 // Destroying a Router shuts its broker down and joins it first.
 #pragma once
 
-#include <unistd.h>
-
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -86,7 +84,7 @@ enum class StreamRole { kParent, kChild };
 struct ClientLinkOptions {
   bool trusted = true;    // same uid as the router (docs/PROTOCOL.md §2.10)
   std::uint32_t pid = 0;  // from SO_PEERCRED, for logs and stats
-  std::uint32_t uid = static_cast<std::uint32_t>(::geteuid());  // SO_PEERCRED's
+  std::uint32_t uid = process_uid();  // SO_PEERCRED's
 };
 
 // One client as the stats service reports it.

@@ -12,8 +12,6 @@
 // spurious wake-ups; handing off directly pays neither.
 #include "services/lanes.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <thread>
 
@@ -95,11 +93,6 @@ void Lane::remove_load(std::uint64_t sender, std::size_t size) {
     *u = uids_.back();
     uids_.pop_back();
   }
-}
-
-std::uint32_t LaneSet::own_uid() {
-  static const std::uint32_t uid = static_cast<std::uint32_t>(::geteuid());
-  return uid;
 }
 
 void LaneSet::enter_ring_locked(Lane& lane) {

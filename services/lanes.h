@@ -53,6 +53,7 @@
 #include "services/adaptive_mutex.h"
 #include "services/futex.h"
 #include "spindle/message.h"
+#include "stream/account.h"
 
 namespace spindle {
 class Broker;
@@ -116,7 +117,10 @@ class Lane {
   std::deque<Queued> queue_;  // guarded by the set's mutex
   std::size_t queued_bytes_ = 0;  // payload bytes in queue_, likewise
   std::vector<SenderLoad> senders_;  // likewise
-  std::vector<UidLoad> uids_;        // likewise: the uids of senders_
+  // Likewise: the uids of senders_, counted as senders come and go, so that
+  // a push past the bounds costs one pass over the uids, not a count of
+  // distinct uids over every sender.
+  std::vector<UidLoad> uids_;
   bool in_ring_ = false;
   bool running_ = false;       // serialized lanes: one of its messages runs
   bool retired_ = false;       // refuses new messages
@@ -154,9 +158,8 @@ class LaneSet {
   // share it counts against (the bounds rule), and `uid` whose part of the
   // bounds that sender's share is taken from; the first form says the
   // message's auth_id and this process's uid.
-  Push push(Lane& lane, Message& m) { return push(lane, m, m.header.auth_id, own_uid()); }
+  Push push(Lane& lane, Message& m) { return push(lane, m, m.header.auth_id, process_uid()); }
   Push push(Lane& lane, Message& m, std::uint64_t sender, std::uint32_t uid);
-  static std::uint32_t own_uid();
   // Waits for a message until `deadline`. Empty on timeout, or when draining
   // with nothing left, or closed. Every message taken must be done() after.
   // With a loop set, a taker runs that broker's loop while it waits and no

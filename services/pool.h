@@ -71,7 +71,7 @@ class Pool : public ShutdownParticipant {
   // Router::share_key for what a router received.
   void submit(Lane& lane, Message&& m) {
     const std::uint64_t sender = m.header.auth_id;
-    submit(lane, std::move(m), sender, LaneSet::own_uid());
+    submit(lane, std::move(m), sender, process_uid());
   }
   void submit(Lane& lane, Message&& m, std::uint64_t sender, std::uint32_t uid);
   // A router handle whose messages run on this pool (not on the broker

@@ -34,6 +34,11 @@ void MemoryBudget::sub(std::size_t n) {
     relief_();
 }
 
+std::uint32_t process_uid() {
+  static const std::uint32_t uid = static_cast<std::uint32_t>(::geteuid());
+  return uid;
+}
+
 std::shared_ptr<UidShare> MemoryBudget::join(std::uint32_t uid) {
   std::lock_guard lk(shares_mu_);
   auto& share = shares_[uid];
@@ -57,7 +62,7 @@ void MemoryBudget::leave(const std::shared_ptr<UidShare>& share) {
 
 Account::Account(std::size_t limit, std::shared_ptr<MemoryBudget> budget, std::optional<std::uint32_t> uid)
     : limit_(limit), budget_(std::move(budget)) {
-  if (budget_) share_ = budget_->join(uid.value_or(static_cast<std::uint32_t>(::geteuid())));
+  if (budget_) share_ = budget_->join(uid.value_or(process_uid()));
 }
 
 Account::~Account() {

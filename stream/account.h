@@ -42,7 +42,12 @@ enum class PeerCharge {
   kWithinLimits,  // an untrusted one: only if it fits its own and the global limit
 };
 
-// The peers of one uid among those that share a budget (UidShare::peers).
+// This process's effective uid, read once: the uid of every peer whose
+// credentials nobody checked (a parent, a child) and of this process's own
+// work, for the shares below. Cached, since a service message asks it.
+std::uint32_t process_uid();
+
+// The peers of one uid among the accounts that share a budget.
 struct UidShare {
   explicit UidShare(std::uint32_t u) : uid(u) {}
   const std::uint32_t uid;

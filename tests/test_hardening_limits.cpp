@@ -9,9 +9,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <functional>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -97,6 +99,58 @@ TEST_F(Hardening, TheGlobalLimitStopsReadingPeersOverTheirFairShare) {
   }, 30s)) << router_stats_text(socket());
 }
 
+// Raw clients of another uid: a child process takes that uid, connects `n`
+// clients to `address` (each completes the handshake, then `then` runs on
+// it), reports their ids and keeps them connected until this object goes.
+// ids() has those it reported, fewer if the child failed.
+class OtherUidClients {
+ public:
+  OtherUidClients(uid_t uid, const UnixAddress& address, int n,
+                  const std::function<void(RawPeer&, std::uint32_t)>& then = {}) {
+    int ids[2], hold[2];
+    if (::pipe2(ids, O_CLOEXEC) != 0 || ::pipe2(hold, O_CLOEXEC) != 0) return;
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::close(ids[0]);
+      ::close(hold[1]);
+      if (::setgid(uid) != 0 || ::setuid(uid) != 0) ::_exit(2);
+      std::vector<RawPeer> peers;
+      for (int i = 0; i < n; ++i) {
+        RawPeer p = RawPeer::connect_to(address);
+        const std::uint32_t id = p.handshake();
+        if (then) then(p, id);
+        if (::write(ids[1], &id, sizeof id) != sizeof id) ::_exit(3);
+        peers.push_back(std::move(p));
+      }
+      ::close(ids[1]);
+      char c;
+      while (::read(hold[0], &c, 1) > 0) {
+      }
+      ::_exit(0);
+    }
+    ::close(ids[1]);
+    ::close(hold[0]);
+    hold_ = hold[1];
+    for (std::uint32_t id; pid_ > 0 && ::read(ids[0], &id, sizeof id) == sizeof id;) ids_.push_back(id);
+    ::close(ids[0]);
+  }
+  ~OtherUidClients() { release(); }
+  const std::vector<std::uint32_t>& ids() const { return ids_; }
+  // Disconnects them: the child exits and is reaped.
+  void release() {
+    if (hold_ >= 0) ::close(std::exchange(hold_, -1));
+    if (pid_ > 0) {
+      int st = 0;
+      ::waitpid(std::exchange(pid_, -1), &st, 0);
+    }
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int hold_ = -1;
+  std::vector<std::uint32_t> ids_;
+};
+
 // The budget's fair shares go by uid first (stream/account.h, MemoryBudget):
 // a user admitted with --allow-uid who opens many connections divides only
 // his own half. Fifteen connections of uid 65534 flood dead replies at
@@ -124,40 +178,10 @@ TEST(HardeningUids, ManyConnectionsOfOneUidDivideOnlyThatUidsPartOfTheBudget) {
     for (int k = 0; k < 4096; ++k) burst += frame_bytes(frame(kNowhere, id, id, kEcho, 7), "");
     return burst;
   };
-  int ids_pipe[2], hold_pipe[2];
-  ASSERT_EQ(::pipe2(ids_pipe, O_CLOEXEC), 0);
-  ASSERT_EQ(::pipe2(hold_pipe, O_CLOEXEC), 0);
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {  // the other user: its connections flood, then stay until told
-    ::close(ids_pipe[0]);
-    ::close(hold_pipe[1]);
-    if (::setgid(kOther) != 0 || ::setuid(kOther) != 0) ::_exit(2);
-    std::vector<RawPeer> peers;
-    for (int i = 0; i < kHostile; ++i) {
-      RawPeer p = RawPeer::connect_to(address);
-      const std::uint32_t id = p.handshake();
-      flood(p, burst_from(id), 500ms, 20s);
-      if (::write(ids_pipe[1], &id, sizeof id) != sizeof id) ::_exit(3);
-      peers.push_back(std::move(p));
-    }
-    ::close(ids_pipe[1]);
-    char c;
-    while (::read(hold_pipe[0], &c, 1) > 0) {
-    }
-    ::_exit(0);
-  }
-  ::close(ids_pipe[1]);
-  ::close(hold_pipe[0]);
-  std::vector<std::uint32_t> hostile;
-  for (std::uint32_t id; ::read(ids_pipe[0], &id, sizeof id) == sizeof id;) hostile.push_back(id);
-  ::close(ids_pipe[0]);
-  auto reap = [&] {
-    ::close(hold_pipe[1]);
-    int st = 0;
-    ::waitpid(pid, &st, 0);
-  };
-  ASSERT_EQ(hostile.size(), static_cast<std::size_t>(kHostile)) << router.log();
+  // The other user: its connections flood, then stay.
+  OtherUidClients hostile(kOther, address, kHostile,
+                          [&](RawPeer& p, std::uint32_t id) { flood(p, burst_from(id), 500ms, 20s); });
+  ASSERT_EQ(hostile.ids().size(), static_cast<std::size_t>(kHostile)) << router.log();
   const std::string before = router_stats_text(sock);
   EXPECT_GT(stats_field(before, " memory_held="), kGlobal)
       << "the other uid never exceeded the budget: the test proves nothing\n" << before;
@@ -180,7 +204,7 @@ TEST(HardeningUids, ManyConnectionsOfOneUidDivideOnlyThatUidsPartOfTheBudget) {
   }
   const std::string line = line_of(id);
   std::printf("%s\n", line.c_str());
-  reap();
+  hostile.release();
   ASSERT_TRUE(paused) << "never paused: " << line << "\n" << router_stats_text(sock);
   EXPECT_GT(stats_field(line, " memory_peak="), 3ll << 19)
       << "paused under 1.5 MiB: its share was cut by the other uid's connections\n" << line;
@@ -201,39 +225,16 @@ TEST(HardeningUids, AClientsShareKeyCarriesTheUidItConnectedWith) {
   lo.allowed_uids = {::geteuid(), kOther};
   InProcessRouter root(lo);
   auto mine = root.client();
-  int ids_pipe[2], hold_pipe[2];
-  ASSERT_EQ(::pipe2(ids_pipe, O_CLOEXEC), 0);
-  ASSERT_EQ(::pipe2(hold_pipe, O_CLOEXEC), 0);
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    ::close(ids_pipe[0]);
-    ::close(hold_pipe[1]);
-    if (::setgid(kOther) != 0 || ::setuid(kOther) != 0) ::_exit(2);
-    RawPeer p = RawPeer::connect_to(root.address());
-    const std::uint32_t id = p.handshake();
-    if (::write(ids_pipe[1], &id, sizeof id) != sizeof id) ::_exit(3);
-    char c;
-    while (::read(hold_pipe[0], &c, 1) > 0) {
-    }
-    ::_exit(0);
-  }
-  ::close(ids_pipe[1]);
-  ::close(hold_pipe[0]);
-  std::uint32_t other = 0;
-  const bool got = ::read(ids_pipe[0], &other, sizeof other) == sizeof other;
-  ::close(ids_pipe[0]);
+  OtherUidClients others(kOther, root.address(), 1);
+  ASSERT_EQ(others.ids().size(), 1u) << "the other uid's client never connected";
+  const std::uint32_t other = others.ids()[0];
   // The client has its id once the welcome is written; the router routes
   // it a moment later, on its broker thread.
   auto routed = [&](std::uint32_t id) { return root.router().share_key(id).sender > 0xffffffffull; };
-  EXPECT_TRUE(eventually([&] { return got && routed(other) && routed(mine->id()); }, 10s));
+  EXPECT_TRUE(eventually([&] { return routed(other) && routed(mine->id()); }, 10s));
   const Router::ShareKey theirs = root.router().share_key(other);
   const Router::ShareKey ours = root.router().share_key(mine->id());
   const Router::ShareKey nobody = root.router().share_key(999999);
-  ::close(hold_pipe[1]);
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  ASSERT_TRUE(got) << "the other uid's client never connected";
   EXPECT_EQ(theirs.uid, kOther);
   EXPECT_EQ(ours.uid, ::geteuid());
   EXPECT_NE(theirs.sender, ours.sender);

@@ -340,12 +340,12 @@ TEST(ServicesLanes, ALaneHoldsAtMostTwiceItsBoundsAndCopiesWhatWaits) {
   for (std::uint64_t sender = 1; sender <= 8; ++sender) {
     Message m = Message::make(1, 2, {});
     m.data.append(Slice{chunk, chunk->data(), 64});  // as a receive chunk's slice
-    EXPECT_EQ(set.push(lane, m, sender, services::LaneSet::own_uid()), services::LaneSet::Push::kQueued)
+    EXPECT_EQ(set.push(lane, m, sender, process_uid()), services::LaneSet::Push::kQueued)
         << "sender " << sender;
   }
   EXPECT_EQ(chunk.use_count(), 2) << "only the first, taken by nobody yet, shares the chunk";
   Message fresh = lane_msg(10);
-  EXPECT_EQ(set.push(lane, fresh, 9, services::LaneSet::own_uid()), services::LaneSet::Push::kFull);
+  EXPECT_EQ(set.push(lane, fresh, 9, process_uid()), services::LaneSet::Push::kFull);
   EXPECT_EQ(set.stats().queued, 8u);
   auto t = set.take(std::chrono::steady_clock::now() + 1s);
   ASSERT_TRUE(t);
