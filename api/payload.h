@@ -35,6 +35,16 @@ struct Slice {
   std::size_t size = 0;
 };
 
+// Where some of a payload's bytes sit in a sealed memfd: bytes [at, at +
+// length) of the payload are bytes [offset, offset + length) of `memfd`. A
+// stream to a peer that takes fds passes the fd for that range and sends the
+// rest of the payload inline, so bytes received in a memfd and sent on inside
+// a larger message (a reply that wraps them, say) are never copied.
+struct MemfdSpan {
+  std::shared_ptr<const SealedMemfd> memfd;
+  std::size_t at = 0, offset = 0, length = 0;
+};
+
 class Payload {
  public:
   Payload() = default;
@@ -78,9 +88,18 @@ class Payload {
 
   // Set when the bytes are a mapping of exactly this sealed memfd (a fabric
   // PayloadBuffer, or a memfd body received): a stream to a peer that takes
-  // fds then passes the fd instead of the bytes.
-  const std::shared_ptr<const SealedMemfd>& memfd() const { return memfd_; }
-  void set_memfd(std::shared_ptr<const SealedMemfd> m) { memfd_ = std::move(m); }
+  // fds then passes the fd instead of the bytes. Null when only a range of
+  // the payload sits in a memfd (memfd_span()).
+  std::shared_ptr<const SealedMemfd> memfd() const { return whole_memfd_ && span_.length == size_ ? span_.memfd : nullptr; }
+  void set_memfd(std::shared_ptr<const SealedMemfd> m) {
+    span_ = MemfdSpan{std::move(m), 0, 0, size_};
+    whole_memfd_ = span_.memfd != nullptr;
+  }
+  // The range of the payload that sits in a memfd, whole or in part (its
+  // memfd is null when none does). set_memfd_span() is the library's: the
+  // caller vouches that the span's bytes are those of the memfd's range.
+  const MemfdSpan& memfd_span() const { return span_; }
+  void set_memfd_span(MemfdSpan s);
 
  private:
   static constexpr std::size_t kInline = 2;
@@ -89,7 +108,9 @@ class Payload {
     spill_ = std::move(o.spill_);
     count_ = o.count_;
     size_ = o.size_;
-    memfd_ = std::move(o.memfd_);
+    span_ = std::move(o.span_);
+    whole_memfd_ = o.whole_memfd_;
+    o.whole_memfd_ = false;
     o.spill_.clear();
     o.count_ = 0;
     o.size_ = 0;
@@ -99,14 +120,16 @@ class Payload {
     spill_ = o.spill_;
     count_ = o.count_;
     size_ = o.size_;
-    memfd_ = o.memfd_;
+    span_ = o.span_;
+    whole_memfd_ = o.whole_memfd_;
   }
   void clear() noexcept {
     for (auto& s : inline_) s = Slice{};
     spill_.clear();
     count_ = 0;
     size_ = 0;
-    memfd_.reset();
+    span_ = MemfdSpan{};
+    whole_memfd_ = false;
   }
 
   // Up to kInline slices live in inline_; past that, all of them in spill_.
@@ -114,7 +137,8 @@ class Payload {
   std::vector<Slice> spill_;
   std::size_t count_ = 0;
   std::size_t size_ = 0;
-  std::shared_ptr<const SealedMemfd> memfd_;
+  MemfdSpan span_;
+  bool whole_memfd_ = false;  // span_ covers the payload and its whole memfd
 };
 
 }  // namespace spindle

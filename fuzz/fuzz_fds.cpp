@@ -147,7 +147,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::set<FileKey> sent;
   FuzzedDataProvider in(data, size);
   {
-    fuzz::RouterHarness h(kFlagFdPassing | kFlagFdBatches);
+    fuzz::RouterHarness h(kFlagFdPassing | kFlagFdBatches | kFlagMemfdRanges);
     static constexpr std::uint32_t kDsts[] = {0, fuzz::kSiblingId, fuzz::kFuzzedId, 77};
     static constexpr std::uint16_t kEncs[] = {kEncRaw, kEncMitogen, kEncFds, kEncCallError};
     int frames = 0;
@@ -179,8 +179,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         prefix.fd_count = in.ConsumeIntegralInRange<std::uint16_t>(1, static_cast<std::uint16_t>(fds.size()));
       }
       if (in.ConsumeIntegralInRange<int>(0, 15) == 0) prefix.flags = in.ConsumeIntegral<std::uint16_t>();
+      // A memfd range (kFlagMemfdRanges): a descriptor that fits its memfd
+      // (sizes up to 1 MiB) or not, and bytes around it.
+      std::string range;
+      if (prefix.memfd_body() && in.ConsumeBool()) {
+        prefix.flags |= kFdFlagMemfdRange;
+        const MemfdRange r{in.ConsumeIntegralInRange<std::uint64_t>(0, (1u << 20) + 2),
+                           in.ConsumeIntegralInRange<std::uint64_t>(0, (1u << 20) + 2),
+                           in.ConsumeIntegralInRange<std::uint32_t>(0, 80)};
+        auto rb = encode_memfd_range(r);
+        range.assign(reinterpret_cast<const char*>(rb.data()), rb.size());
+      }
       auto pb = encode_fd_prefix(prefix);
       std::string body(reinterpret_cast<const char*>(pb.data()), pb.size());
+      body += range;
       if (in.ConsumeIntegralInRange<int>(0, 15) == 0) body.resize(in.ConsumeIntegralInRange<std::size_t>(0, body.size()));
       body += in.ConsumeRandomLengthString(128);
       for (int fd : fds)

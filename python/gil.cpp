@@ -8,7 +8,7 @@
 namespace spindle::python {
 
 GilForSend::GilForSend(const Payload& body) {
-  if (body.size() > kKeepGilMax || body.memfd()) {
+  if (body.size() > kKeepGilMax || body.memfd_span().memfd) {
     released_ = PyEval_SaveThread();
     return;
   }

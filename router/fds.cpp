@@ -48,21 +48,23 @@ void Router::prepare_fds_for_send(Message& msg) {
     throw Error(fmt::format("{}: {} exceeds the limit of {} per message (send them in several messages)",
                             reason::kTooManyFds, msg.fds.size(), kMaxFdsPerMessage));
   // Bytes for this context itself are never copied; a memfd payload already is one.
-  if (msg.header.dst_id == id() || msg.data.memfd() || msg.data.size() < opts_.memfd_threshold ||
+  if (msg.header.dst_id == id() || msg.data.memfd_span().memfd || msg.data.size() < opts_.memfd_threshold ||
       msg.data.size() == 0 || msg.fds.size() == kMaxFdsPerMessage)
     return;
   // A link that cannot carry the memfd (a pipe, an ssh session, a Mitogen
   // peer): the bytes would be copied into it only to be written inline again.
   if (PortRef p = port_for(msg.header.dst_id); p.port && !p.port->peer_takes_fds.load(std::memory_order_acquire))
     return;
-  // One copy into the memfd on the caller's thread, then a view of it: the
-  // size (and so every gauge charge) is unchanged; a peer that cannot take
-  // fds is sent the bytes from this view. The view is not populated: the fd
-  // is what travels, and building its page tables cost the caller 25 ms per
-  // 256 MiB (a quarter of the copy), and the broker as much again to tear
-  // them down after the send (bench_fds' heap row, 2026-11-28).
+  // At most one copy into the memfd on the caller's thread (none for bytes
+  // that already sit in a received memfd), then a view of it: the size (and
+  // so every gauge charge) is unchanged; a peer that cannot take fds is sent
+  // the bytes from this view. The view is not populated: the fd is what
+  // travels, and building its page tables cost the caller 25 ms per 256 MiB
+  // (a quarter of the copy), and the broker as much again to tear them down
+  // after the send (bench_fds' heap row, 2026-11-28). What goes inline
+  // beside a memfd range stays below the threshold: a small message's size.
   try {
-    msg.data = SealedMemfd::copy_of(msg.data)->map();
+    msg.data = memfd_ready(msg.data, opts_.memfd_threshold);
   } catch (const std::system_error& e) {
     // No memfd (fd limit, memory): the bytes still go, inline.
     log().warn("payload of {} bytes sent inline: {}", msg.data.size(), e.what());

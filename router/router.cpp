@@ -205,10 +205,14 @@ RouterStats Router::stats() {
 // (a memfd body too) at fd_charge(), as on a send queue; counted by bytes
 // alone, a peer could make a client that is not ready hold 300,000 fds. Its
 // bytes are copied out of the receive chunk, which a message of a few bytes
-// would otherwise keep whole (128 KiB).
+// would otherwise keep whole (128 KiB). A body that is a range of a memfd
+// with bytes around it (PROTOCOL.md 13.7) is held like a memfd body: its
+// memfd is charged to the sender's account, only the bytes around count
+// here, and they are not copied (they live in the mapping, not in a chunk).
 bool Router::hold(Message& m) {
-  const std::size_t size =
-      kHeaderSize + m.data.size() + fd_charge(m.fds.size() + (m.sealed_body ? 1 : 0));
+  const MemfdSpan& span = m.data.memfd_span();
+  const bool in_memfd = m.sealed_body || span.memfd;
+  const std::size_t size = kHeaderSize + m.data.size() - span.length + fd_charge(m.fds.size() + (in_memfd ? 1 : 0));
   if (held_bytes_ + size > opts_.high_water_mark) {
     // A peer can send these as fast as it writes: summed up.
     static SummaryLog over_budget(spdlog::level::warn);
@@ -218,7 +222,7 @@ bool Router::hold(Message& m) {
     });
     return false;
   }
-  m.data = m.data.owned_copy();
+  if (!span.memfd) m.data = m.data.owned_copy();
   held_bytes_ += size;
   held_handles_.insert(m.header.handle);
   held_unknown_.push_back(std::move(m));

@@ -154,7 +154,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
     return;
   }
 
-  const bool plain = !msg || (msg->fds.empty() && !msg->sealed_body && !msg->data.memfd());
+  const bool plain = !msg || (msg->fds.empty() && !msg->sealed_body && !msg->data.memfd_span().memfd);
   PortRef port = h.dst_id == id() ? PortRef{} : port_for(h.dst_id);
   const std::size_t charge = kHeaderSize + size + (msg ? fd_charge(msg->fds.size()) : 0);
   if (port.port) {

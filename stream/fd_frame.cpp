@@ -23,20 +23,60 @@ std::array<std::uint8_t, kFdPrefixSize> encode_fd_prefix(const FdPrefix& p) {
   return b;
 }
 
-std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error, bool batches) {
+namespace {
+// The first n bytes of `data` (n at most 20), which holds at least that many.
+void first_bytes(const Payload& data, std::uint8_t* out, std::size_t n) {
+  std::size_t got = 0;
+  for (const Slice& s : data.slices()) {
+    for (std::size_t i = 0; i < s.size && got < n; ++i) out[got++] = s.data[i];
+    if (got == n) break;
+  }
+}
+}  // namespace
+
+std::array<std::uint8_t, kMemfdRangeSize> encode_memfd_range(const MemfdRange& r) {
+  std::array<std::uint8_t, kMemfdRangeSize> b{};
+  be::put32(&b[0], static_cast<std::uint32_t>(r.offset >> 32));
+  be::put32(&b[4], static_cast<std::uint32_t>(r.offset));
+  be::put32(&b[8], static_cast<std::uint32_t>(r.length >> 32));
+  be::put32(&b[12], static_cast<std::uint32_t>(r.length));
+  be::put32(&b[16], r.at);
+  return b;
+}
+
+std::optional<MemfdRange> decode_memfd_range(const Payload& inline_bytes, std::uint64_t memfd_size,
+                                             std::string& error) {
+  if (inline_bytes.size() < kMemfdRangeSize) {
+    error = fmt::format("memfd range descriptor of {} bytes (need {})", inline_bytes.size(), kMemfdRangeSize);
+    return std::nullopt;
+  }
+  std::uint8_t raw[kMemfdRangeSize];
+  first_bytes(inline_bytes, raw, kMemfdRangeSize);
+  MemfdRange r;
+  r.offset = (std::uint64_t{be::get32(raw)} << 32) | be::get32(raw + 4);
+  r.length = (std::uint64_t{be::get32(raw + 8)} << 32) | be::get32(raw + 12);
+  r.at = be::get32(raw + 16);
+  const std::uint64_t around = inline_bytes.size() - kMemfdRangeSize;
+  if (r.length == 0 || r.offset > memfd_size || r.length > memfd_size - r.offset)
+    error = fmt::format("memfd range of {} bytes at offset {} is outside the memfd's {} bytes", r.length,
+                        r.offset, memfd_size);
+  else if (r.at > around)
+    error = fmt::format("memfd range placed at byte {} of {} inline bytes", r.at, around);
+  if (!error.empty()) return std::nullopt;
+  return r;
+}
+
+std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error, bool batches, bool ranges) {
   if (data.size() < kFdPrefixSize) {
     error = fmt::format("SF frame of {} bytes is shorter than its {}-byte prefix", data.size(),
                         kFdPrefixSize);
     return std::nullopt;
   }
   std::uint8_t raw[kFdPrefixSize];
-  std::size_t got = 0;
-  for (const Slice& s : data.slices()) {
-    for (std::size_t i = 0; i < s.size && got < kFdPrefixSize; ++i) raw[got++] = s.data[i];
-    if (got == kFdPrefixSize) break;
-  }
+  first_bytes(data, raw, kFdPrefixSize);
   FdPrefix p{be::get16(raw), be::get16(raw + 2), be::get16(raw + 4), be::get16(raw + 6)};
-  const std::uint16_t known = kFdFlagMemfdBody | (batches ? kFdFlagBatchHead : 0);
+  const std::uint16_t known =
+      kFdFlagMemfdBody | (batches ? kFdFlagBatchHead : 0) | (ranges ? kFdFlagMemfdRange : 0);
   if (!is_known_enc(p.inner_enc) || p.inner_enc == kEncFds)
     error = fmt::format("SF frame with bad inner enc 0x{:04x}", p.inner_enc);
   else if (p.fd_count == 0 || p.fd_count > kMaxFdsPerMessage)
@@ -46,7 +86,11 @@ std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error
   else if (p.batch_head() && (p.batch_fds < p.fd_count || p.batch_fds > kMaxFdsPerMessage))
     error = fmt::format("SF batch head of {} fds says its batch holds {} ({}..{} allowed)", p.fd_count,
                         p.batch_fds, p.fd_count, kMaxFdsPerMessage);
-  else if (p.memfd_body() && data.size() != kFdPrefixSize)
+  else if (p.memfd_range() && !p.memfd_body())
+    error = "SF frame with a memfd range but no memfd body";
+  else if (p.memfd_range() && data.size() < kFdPrefixSize + kMemfdRangeSize)
+    error = "SF frame with a memfd range is shorter than its range descriptor";
+  else if (p.memfd_body() && !p.memfd_range() && data.size() != kFdPrefixSize)
     error = "SF frame with a memfd body also carries inline bytes";
   if (!error.empty()) return std::nullopt;
   return p;

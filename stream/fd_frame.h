@@ -16,6 +16,14 @@
 // from that batch in order until it is used up (stream_fds.cpp). batch_fds
 // is 0 in any other frame.
 //
+// Between peers that both announce kFlagMemfdRanges, a memfd body may be a
+// range of its memfd with inline bytes around it (kFdFlagMemfdRange; the
+// memfd-body flag is set too): the inline bytes then start with a range
+// descriptor, offset:u64 length:u64 at:u32, and the body is the first `at`
+// of the inline bytes after it, then the memfd's `length` bytes from
+// `offset`, then the rest of the inline bytes. So bytes received in a memfd
+// travel on inside a larger message without a copy.
+//
 // The reasons a stream gives when a message cannot travel with its fds are
 // named here, so the router can put them in dead replies (router/reasons.h).
 //
@@ -35,6 +43,19 @@ namespace spindle {
 inline constexpr std::size_t kFdPrefixSize = 8;
 inline constexpr std::uint16_t kFdFlagMemfdBody = 1;
 inline constexpr std::uint16_t kFdFlagBatchHead = 2;
+inline constexpr std::uint16_t kFdFlagMemfdRange = 4;
+inline constexpr std::size_t kMemfdRangeSize = 20;  // offset:u64 length:u64 at:u32
+
+// A memfd range's descriptor (kFdFlagMemfdRange).
+struct MemfdRange {
+  std::uint64_t offset = 0, length = 0;
+  std::uint32_t at = 0;
+};
+std::array<std::uint8_t, kMemfdRangeSize> encode_memfd_range(const MemfdRange& r);
+// Reads the descriptor at the start of `inline_bytes` and checks it against
+// the memfd's size; nullopt (and `error`) if it does not fit.
+std::optional<MemfdRange> decode_memfd_range(const Payload& inline_bytes, std::uint64_t memfd_size,
+                                             std::string& error);
 
 struct FdPrefix {
   std::uint16_t inner_enc = 0;
@@ -43,13 +64,15 @@ struct FdPrefix {
   std::uint16_t batch_fds = 0;  // with kFdFlagBatchHead: the fds of the whole batch
   bool memfd_body() const { return (flags & kFdFlagMemfdBody) != 0; }
   bool batch_head() const { return (flags & kFdFlagBatchHead) != 0; }
+  bool memfd_range() const { return (flags & kFdFlagMemfdRange) != 0; }
 };
 
 std::array<std::uint8_t, kFdPrefixSize> encode_fd_prefix(const FdPrefix& p);
 // Reads the prefix of an SF payload; nullopt (and `error`) if it is malformed.
-// `batches`: whether this side announced kFlagFdBatches (a batch head is a
-// protocol error otherwise).
-std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error, bool batches = false);
+// `batches`, `ranges`: whether this side announced kFlagFdBatches and
+// kFlagMemfdRanges (a batch head, a memfd range, is a protocol error otherwise).
+std::optional<FdPrefix> decode_fd_prefix(const Payload& data, std::string& error, bool batches = false,
+                                         bool ranges = false);
 // The payload without its first `n` bytes, sharing the same owners.
 Payload drop_front(const Payload& data, std::size_t n);
 

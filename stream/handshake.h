@@ -50,6 +50,10 @@ enum HandshakeFlag : std::uint16_t {
   // link). A server that predates the bit would read the 4 bytes as a frame:
   // every Spindle server of protocol version 1 since 2026-11-27 knows it.
   kFlagMaxMessageSize = 4,
+  // This side reads a memfd body that is a range of its memfd with inline
+  // bytes around it (fd_frame.h); offered with kFlagFdPassing. Used only when
+  // both sides announce it: an older peer is sent such a body inline.
+  kFlagMemfdRanges = 8,
 };
 
 // Which protocol the peer speaks. A Mitogen peer exchanges 26-byte frames

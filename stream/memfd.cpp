@@ -7,6 +7,7 @@
 #include "stream/memfd.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -15,6 +16,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <system_error>
 #include <vector>
 
@@ -100,20 +104,86 @@ UniqueFd sealed_copy_of(int src, std::size_t size) {
   return sealed_memfd_of({iovec{a, size}}, size, kBufferCopySealTries);
 }
 
+// Every live read-only mapping of a sealed memfd (map()), by address, for
+// SealedMemfd::mapped_at(). An entry exists only while its Mapping holds the
+// memfd, so a memfd found here is alive. A lookup runs once per large slice
+// sent, an insert once per mapping: a mutex is cheap there. It is held
+// across fork() (pthread_atfork), so no child inherits it locked.
+class MappedRanges {
+ public:
+  static MappedRanges& get() {
+    static MappedRanges* r = new MappedRanges;  // never destroyed: mappings may outlive statics
+    return *r;
+  }
+  // The `size` bytes at `addr` are those of `memfd` from `offset`.
+  void add(const std::uint8_t* addr, std::size_t size, const SealedMemfd* memfd, std::size_t offset) {
+    std::lock_guard lk(mu_);
+    by_addr_[addr] = Entry{size, memfd, offset};
+  }
+  void remove(const std::uint8_t* addr) {
+    std::lock_guard lk(mu_);
+    by_addr_.erase(addr);
+  }
+  std::optional<SealedMemfd::Found> find(const std::uint8_t* p, std::size_t n) {
+    std::lock_guard lk(mu_);
+    auto it = by_addr_.upper_bound(p);
+    if (it != by_addr_.begin()) {  // a mapping that starts at or before p: does it hold them all?
+      auto at = std::prev(it);
+      const std::size_t into = static_cast<std::size_t>(p - at->first);
+      if (into <= at->second.size && n <= at->second.size - into)
+        return SealedMemfd::Found{at->second.memfd->shared_from_this(), at->second.offset + into, 0, n};
+    }
+    // The first range that starts inside them, if it ends inside them too.
+    auto in = by_addr_.lower_bound(p);
+    if (in != by_addr_.end() && in->first < p + n && in->second.size <= static_cast<std::size_t>(p + n - in->first))
+      return SealedMemfd::Found{in->second.memfd->shared_from_this(), in->second.offset,
+                                static_cast<std::size_t>(in->first - p), in->second.size};
+    return std::nullopt;
+  }
+
+ private:
+  struct Entry {
+    std::size_t size;
+    const SealedMemfd* memfd;
+    std::size_t offset;
+  };
+  MappedRanges() {
+    // Only the forking thread runs these; the child's copy is unlocked by it.
+    ::pthread_atfork([] { get().mu_.lock(); }, [] { get().mu_.unlock(); }, [] { get().mu_.unlock(); });
+  }
+  std::mutex mu_;
+  std::map<const std::uint8_t*, Entry> by_addr_;
+};
+
 // Keeps a read-only mapping, and the memfd behind it, alive for a Payload.
+// The `length` bytes at `bytes` within it are the memfd's from `offset`
+// (all of it, for map(); the range, for map_into()).
 class Mapping {
  public:
-  Mapping(void* addr, std::size_t size, std::shared_ptr<const SealedMemfd> memfd)
-      : addr_(addr), size_(size), memfd_(std::move(memfd)) {}
-  ~Mapping() { ::munmap(addr_, size_); }
+  Mapping(void* addr, std::size_t size, std::shared_ptr<const SealedMemfd> memfd, const std::uint8_t* bytes,
+          std::size_t length, std::size_t offset)
+      : addr_(addr), size_(size), bytes_(bytes), memfd_(std::move(memfd)) {
+    MappedRanges::get().add(bytes_, length, memfd_.get(), offset);
+  }
+  ~Mapping() {
+    MappedRanges::get().remove(bytes_);
+    ::munmap(addr_, size_);
+  }
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
 
  private:
   void* addr_;
   std::size_t size_;
+  const std::uint8_t* bytes_;
   std::shared_ptr<const SealedMemfd> memfd_;
 };
+
+std::size_t page_size() {
+  static const std::size_t p = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  return p;
+}
+std::size_t page_up(std::size_t n) { return (n + page_size() - 1) / page_size() * page_size(); }
 
 }  // namespace
 
@@ -161,11 +231,89 @@ Payload SealedMemfd::map() const {
   void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_.get(), 0);
   if (addr == MAP_FAILED) throw_errno("mmap(memfd, PROT_READ)");
   std::shared_ptr<const SealedMemfd> self = shared_from_this();
-  auto owner = std::make_shared<Mapping>(addr, size_, self);
+  auto owner = std::make_shared<Mapping>(addr, size_, self, static_cast<const std::uint8_t*>(addr), size_, 0);
   Payload p;
   p.append(Slice{std::move(owner), static_cast<const std::uint8_t*>(addr), size_});
   p.set_memfd(std::move(self));  // resending this payload passes the fd again
   return p;
+}
+
+// One contiguous read-only view, so that a decoder reads the body in place
+// (msgpack by reference needs one range), built from page mappings: the
+// memfd's pages that hold the range, mapped private, with the bytes before
+// and after the range written around it. Those writes copy at most the
+// first and last of the memfd's pages (copy on write) and fill anonymous
+// pages beside them; every other page is the memfd's own, never copied.
+Payload SealedMemfd::map_into(const Payload& around, std::size_t at, std::size_t offset,
+                              std::size_t length) const {
+  if (length == 0 || offset > size_ || length > size_ - offset || at > around.size())
+    throw std::system_error(EINVAL, std::generic_category(), "memfd range outside the memfd");
+  const std::size_t head = at, tail = around.size() - at;
+  const std::size_t skew = offset % page_size();
+  const std::size_t file_lo = offset - skew, file_hi = page_up(offset + length);
+  const std::size_t before = page_up(head > skew ? head - skew : 0);
+  const std::size_t after = page_up(offset + length + tail > file_hi ? offset + length + tail - file_hi : 0);
+  const std::size_t total = before + (file_hi - file_lo) + after;
+  void* region = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (region == MAP_FAILED) throw_errno("mmap(anonymous)");
+  auto* base = static_cast<std::uint8_t*>(region);
+  if (::mmap(base + before, file_hi - file_lo, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd_.get(),
+             static_cast<off_t>(file_lo)) == MAP_FAILED) {
+    const int err = errno;
+    ::munmap(region, total);
+    throw std::system_error(err, std::generic_category(), "mmap(memfd, MAP_PRIVATE | MAP_FIXED)");
+  }
+  std::uint8_t* range = base + before + skew;
+  std::uint8_t* out = range - head;
+  std::size_t pos = 0;  // in `around`
+  for (const Slice& s : around.slices()) {
+    const std::size_t first = pos < head ? std::min(s.size, head - pos) : 0;  // this slice's head bytes
+    if (first) std::memcpy(out + pos, s.data, first);
+    if (s.size > first) std::memcpy(out + pos + first + length, s.data + first, s.size - first);
+    pos += s.size;
+  }
+  if (::mprotect(region, total, PROT_READ) < 0) {
+    const int err = errno;
+    ::munmap(region, total);
+    throw std::system_error(err, std::generic_category(), "mprotect(PROT_READ)");
+  }
+  std::shared_ptr<const SealedMemfd> self = shared_from_this();
+  auto owner = std::make_shared<Mapping>(region, total, self, range, length, offset);
+  Payload p;
+  p.append(Slice{std::move(owner), out, head + length + tail});
+  p.set_memfd_span(MemfdSpan{std::move(self), at, offset, length});
+  return p;
+}
+
+std::optional<SealedMemfd::Found> SealedMemfd::mapped_at(const std::uint8_t* p, std::size_t n) {
+  return MappedRanges::get().find(p, n);
+}
+
+Payload memfd_ready(const Payload& bytes, std::size_t inline_max) {
+  const auto slices = bytes.slices();
+  std::size_t largest = 0, at = 0, pos = 0;
+  for (std::size_t i = 0; i < slices.size(); ++i) {
+    if (slices[i].size > slices[largest].size) {
+      largest = i;
+      at = pos;
+    }
+    pos += slices[i].size;
+  }
+  if (slices.empty() || bytes.size() - slices[largest].size >= inline_max)
+    return SealedMemfd::copy_of(bytes)->map();
+  const Slice& big = slices[largest];
+  if (auto found = SealedMemfd::mapped_at(big.data, big.size);
+      found && found->length >= found->memfd->size() / 2 && bytes.size() - found->length < inline_max) {
+    Payload out = bytes;
+    out.set_memfd_span(MemfdSpan{std::move(found->memfd), at + found->skip, found->offset, found->length});
+    return out;
+  }
+  Payload alone;
+  alone.append(Slice{nullptr, big.data, big.size});
+  Payload around;
+  for (std::size_t i = 0; i < slices.size(); ++i)
+    if (i != largest) around.append(slices[i]);
+  return SealedMemfd::copy_of(alone)->map_into(around, at, 0, big.size);
 }
 
 PayloadBuffer::PayloadBuffer(std::size_t size) : fd_(new_memfd(size)), size_(size) {

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -69,6 +70,25 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   // Throws std::system_error.
   Payload map() const;
 
+  // `around` with `length` bytes of this memfd, from `offset`, put in at
+  // byte `at`: a view of a mapping of the memfd (not populated, never a
+  // copy) between the bytes of `around`, and memfd_span() names it. The
+  // caller has checked the range. Throws std::system_error.
+  Payload map_into(const Payload& around, std::size_t at, std::size_t offset, std::size_t length) const;
+
+  // Bytes of a memfd among the `n` bytes at `p`, found by address in the
+  // live mappings (map(), map_into()): bytes received in a memfd and put
+  // into a payload of the caller's own (a reply that wraps them, or all of
+  // a received body with what came around it) can travel as a range of that
+  // memfd. Either the `n` bytes all lie in one mapping, or a received range
+  // lies within them; `skip` bytes of them come first, then `length` bytes
+  // of `memfd` from `offset`. nullopt when neither.
+  struct Found {
+    std::shared_ptr<const SealedMemfd> memfd;
+    std::size_t offset = 0, skip = 0, length = 0;
+  };
+  static std::optional<Found> mapped_at(const std::uint8_t* p, std::size_t n);
+
   SealedMemfd(UniqueFd fd, std::size_t size) : fd_(std::move(fd)), size_(size) {}
 
  private:
@@ -76,6 +96,17 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   std::size_t size_;
   Charge charge_;
 };
+
+// `bytes` (a payload of at least the memfd threshold) ready to travel as a
+// memfd. When all but its largest slice is smaller than `inline_max`, that
+// slice becomes the memfd range and the rest goes inline: a slice that lies
+// in a live mapping of a sealed memfd (bytes received, wrapped in a reply)
+// and is at least half of that memfd is sent as its range, with no copy;
+// any other is copied alone into a fresh memfd. (Below half, a copy: a
+// small slice would otherwise hold a large memfd in the receiver.) Past
+// `inline_max`, the whole payload is copied into a fresh memfd. Throws
+// std::system_error.
+Payload memfd_ready(const Payload& bytes, std::size_t inline_max);
 
 class PayloadBuffer {
  public:

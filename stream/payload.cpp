@@ -3,6 +3,8 @@
 #include <cstring>
 #include <utility>
 
+#include "stream/memfd.h"
+
 namespace spindle {
 
 Payload Payload::copy_of(std::span<const std::uint8_t> bytes) {
@@ -26,6 +28,11 @@ Payload Payload::adopt(std::shared_ptr<const Chunk> chunk, std::size_t size) {
   const std::uint8_t* data = chunk->data();
   p.append(Slice{std::move(chunk), data, size});
   return p;
+}
+
+void Payload::set_memfd_span(MemfdSpan s) {
+  whole_memfd_ = s.memfd && s.at == 0 && s.offset == 0 && s.length == size_ && s.length == s.memfd->size();
+  span_ = std::move(s);
 }
 
 void Payload::append(Slice s) {

@@ -163,8 +163,8 @@ Stream::Stream(Broker& broker, int read_fd, int write_fd, StreamOptions opts,
   had_handshake_ = handshake_ != nullptr;
   // fds travel only over one socket carrying both directions.
   if (handshake_ && is_socket_ && write_fd == read_fd) {
-    handshake_->offer_flags(kFlagFdPassing | kFlagFdBatches);
-    accept_fd_batches_ = true;
+    handshake_->offer_flags(kFlagFdPassing | kFlagFdBatches | kFlagMemfdRanges);
+    accept_fd_extensions_ = true;
   }
   rx_.set_account(account_);
   port_->fd = write_fd;
@@ -213,6 +213,10 @@ bool Stream::peer_takes_fds() const {
 
 bool Stream::peer_takes_fd_batches() const {
   return had_handshake_ && peer_takes_fds() && (peer_.flags & kFlagFdBatches) != 0;
+}
+
+bool Stream::peer_takes_memfd_ranges() const {
+  return had_handshake_ && peer_takes_fds() && (peer_.flags & kFlagMemfdRanges) != 0;
 }
 
 void Stream::set_name(std::string name) {

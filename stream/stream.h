@@ -239,6 +239,9 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   // Whether one sendmsg may carry the fds of several SF frames (both sides
   // announced kFlagFdBatches).
   bool peer_takes_fd_batches() const;
+  // Whether a memfd body may be a range of its memfd (both sides announced
+  // kFlagMemfdRanges).
+  bool peer_takes_memfd_ranges() const;
   bool reading_paused() const { return paused_; }
   bool held_for_peer() const { return peer_holds_ > 0; }
   // Reads and delivers nothing from the peer for `d`, from the next frame on
@@ -331,7 +334,9 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   void protocol_error(const ParseResult& r);
   bool orphan_fds() const;
   void push_frame(Message&& m, std::size_t charged);
-  void push_fd_frame(Message&& m, std::size_t charged, std::shared_ptr<const SealedMemfd> body);
+  // `range`: only that span of the body is the memfd (a ranged memfd body).
+  void push_fd_frame(Message&& m, std::size_t charged, std::shared_ptr<const SealedMemfd> body,
+                     const MemfdSpan* range = nullptr);
   void refuse(Message&& m, std::size_t charged, const std::string& reason);
   bool send_fd_frame_failed(int err);
   bool process_input();  // true: stopped at its turn's budget with frames left
@@ -366,7 +371,7 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   // come (a truncated batch owes more than it holds).
   FdBatch batch_;
   std::size_t bound_ = 0, batch_left_ = 0;
-  bool accept_fd_batches_ = false;  // we announced kFlagFdBatches
+  bool accept_fd_extensions_ = false;  // we announced kFlagFdBatches and kFlagMemfdRanges
   bool had_handshake_ = false;
   asio::steady_timer handshake_timer_;
   asio::steady_timer stall_timer_;

@@ -8,7 +8,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstring>
+#include <optional>
+#include <span>
+#include <system_error>
 
 #include <fmt/format.h>
 
@@ -76,7 +81,7 @@ bool Stream::bind_fds(Message& m) {
   bad.status = ParseStatus::kInvalid;
   bad.header = m.header;
   bad.header_valid = true;
-  std::optional<FdPrefix> prefix = decode_fd_prefix(m.data, bad.error, accept_fd_batches_);
+  std::optional<FdPrefix> prefix = decode_fd_prefix(m.data, bad.error, accept_fd_extensions_, accept_fd_extensions_);
   if (!prefix) {
     protocol_error(bad);
     return false;
@@ -163,18 +168,59 @@ bool Stream::bind_fds(Message& m) {
     if (body && body->size() > opts_.max_message_size)
       err = fmt::format("message too large: {} bytes exceeds the maximum of {}", body->size(),
                         opts_.max_message_size);
+    std::optional<MemfdRange> range;
+    if (body && err.empty() && prefix->memfd_range()) {
+      range = decode_memfd_range(m.data, body->size(), err);
+      if (range && m.data.size() - kMemfdRangeSize + range->length > opts_.max_message_size)
+        err = fmt::format("message too large: {} bytes exceeds the maximum of {}",
+                          m.data.size() - kMemfdRangeSize + range->length, opts_.max_message_size);
+    }
+    if (range && err.empty()) {
+      // Mapped now (not populated: a view costs no page until read), since
+      // the body is no longer the memfd alone; sent on, the range goes as
+      // the same fd again (push_frame).
+      try {
+        m.data = body->map_into(drop_front(m.data, kMemfdRangeSize), range->at, range->offset, range->length);
+        m.header.length = static_cast<std::uint32_t>(m.data.size());
+      } catch (const std::system_error& e) {
+        err = e.what();
+      }
+    }
     if (!err.empty()) {
       std::string why = fmt::format("{}: {}", fdreason::kBadMemfd, err);
       listener_->on_stream_refused(*this, std::move(m), StreamListener::Refused::kOnArrival, why);  // it logs, at the rate it allows
       return false;
     }
-    m.sealed_body = std::move(body);
+    if (!range) m.sealed_body = std::move(body);
   }
   // The batch's charge goes with every frame's share of it (a memfd body's
   // too): released when the last of them is gone.
   m.fds = FdSet(std::move(fds), std::move(charge));
   return true;
 }
+
+namespace {
+
+// A ranged memfd body's inline bytes: the range descriptor, then the bytes
+// of `data` before the range and after it (views, not copies).
+Payload memfd_range_around(const Payload& data, const MemfdSpan& span) {
+  const auto desc = encode_memfd_range({span.offset, span.length, static_cast<std::uint32_t>(span.at)});
+  Payload out = Payload::copy_of(std::span<const std::uint8_t>(desc));
+  const std::size_t end = span.at + span.length;
+  std::size_t pos = 0;
+  for (const Slice& s : data.slices()) {
+    const std::size_t lo = pos, hi = pos + s.size;
+    if (lo < span.at) out.append(Slice{s.owner, s.data, std::min(hi, span.at) - lo});
+    if (hi > end) {
+      const std::size_t from = std::max(lo, end);
+      out.append(Slice{s.owner, s.data + (from - lo), hi - from});
+    }
+    pos = hi;
+  }
+  return out;
+}
+
+}  // namespace
 
 void Stream::refuse(Message&& m, std::size_t charged, const std::string& reason) {
   if (charged) port_->gauge.release(charged);
@@ -208,9 +254,14 @@ void Stream::push_frame(Message&& m, std::size_t charged) {
                   fmt::format("{}: {} fds for context {} on stream {}", fdreason::kFdsUnsupported,
                               nfds, m.header.dst_id, name()));
   // The body goes as an fd when it is (or sits in) a sealed memfd and a slot
-  // is left for it.
+  // is left for it; a body of which only a range sits in one, as that range
+  // with the rest inline, where the peer reads such a body.
   std::shared_ptr<const SealedMemfd> body = m.sealed_body ? m.sealed_body : m.data.memfd();
   if (body && fd_peer && nfds < kMaxFdsPerMessage) return push_fd_frame(std::move(m), charged, std::move(body));
+  if (MemfdSpan span = m.data.memfd_span(); span.memfd && !m.sealed_body && fd_peer &&
+                                             nfds < kMaxFdsPerMessage && span.at <= UINT32_MAX &&
+                                             peer_takes_memfd_ranges())
+    return push_fd_frame(std::move(m), charged, span.memfd, &span);
   if (nfds > 0) {
     // Every fd slot is taken by the message's own fds: a memfd body goes
     // inline in the SF frame (mapped, not populated).
@@ -247,15 +298,17 @@ void Stream::push_frame(Message&& m, std::size_t charged) {
   note_queued();
 }
 
-void Stream::push_fd_frame(Message&& m, std::size_t charged,
-                           std::shared_ptr<const SealedMemfd> body) {
+void Stream::push_fd_frame(Message&& m, std::size_t charged, std::shared_ptr<const SealedMemfd> body,
+                           const MemfdSpan* range) {
   const std::size_t nfds = m.fds.size();
-  FdPrefix prefix{m.header.enc, static_cast<std::uint16_t>(nfds + (body ? 1 : 0)),
-                  body ? kFdFlagMemfdBody : std::uint16_t{0}};
+  std::uint16_t flags = body ? kFdFlagMemfdBody : 0;
+  if (range) flags |= kFdFlagMemfdRange;
+  FdPrefix prefix{m.header.enc, static_cast<std::uint16_t>(nfds + (body ? 1 : 0)), flags};
   TxFrame f;
   f.prefix = encode_fd_prefix(prefix);  // made a batch head, or not, when written (TxQueue::gather)
   f.prefixed = true;
   if (!body) f.body = m.data;
+  if (range) f.body = memfd_range_around(m.data, *range);
   Header h = m.header;
   h.enc = kEncFds;
   h.length = static_cast<std::uint32_t>(f.body_size());

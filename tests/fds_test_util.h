@@ -26,6 +26,7 @@
 #include "spindle/fds.h"
 #include "router/child.h"
 #include "tests/process_util.h"
+#include "tests/raw_peer.h"
 #include "tests/stream_test_util.h"
 
 namespace spindle::testutil {
@@ -154,5 +155,25 @@ class FdRecorder : public Recorder {
   std::vector<Message> refused;
   std::vector<std::string> refusals;
 };
+
+// After frames written raw to a stream on `fd`: sends a plain frame on
+// handle 9999, whose delivery shows that everything before it was parsed,
+// and waits for it or for the stream to close (then the write may fail).
+// Returns why the stream closed ("" if it did not), and moves what it
+// delivered before that frame into `delivered`.
+inline std::string deliveries_before_end(int fd, FdRecorder& rec, std::vector<Message>& delivered) {
+  constexpr std::uint32_t kEnd = 9999;
+  Header end;
+  end.dst_id = 1;
+  end.src_id = 2;
+  end.handle = kEnd;
+  const std::string end_bytes = frame_bytes(end, "end");
+  (void)!::send(fd, end_bytes.data(), end_bytes.size(), MSG_NOSIGNAL);
+  rec.wait([&] { return rec.closed > 0 || (!rec.messages.empty() && rec.messages.back().header.handle == kEnd); });
+  std::lock_guard lk(rec.mu);
+  for (Message& m : rec.messages)
+    if (m.header.handle != kEnd) delivered.push_back(std::move(m));
+  return rec.closed ? rec.reason : std::string();
+}
 
 }  // namespace spindle::testutil

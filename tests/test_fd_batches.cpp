@@ -160,20 +160,8 @@ Outcome send_batch(const std::vector<std::uint8_t>& bytes, std::vector<UniqueFd>
   std::vector<int> raw;
   for (const UniqueFd& f : fds) raw.push_back(f.get());
   EXPECT_TRUE(send_with_fds(peer.fd, bytes, raw));
-  // Then a plain frame: once it is delivered, everything before it was
-  // parsed. (The stream may have closed already: then the write fails.)
-  Header end;
-  end.dst_id = 1;
-  end.src_id = 2;
-  end.handle = 9999;
-  const std::string end_bytes = frame_bytes(end, "end");
-  (void)!::send(peer.fd, end_bytes.data(), end_bytes.size(), MSG_NOSIGNAL);
-  rec.wait([&] { return rec.closed > 0 || (!rec.messages.empty() && rec.messages.back().header.handle == 9999); });
   Outcome o;
-  std::lock_guard lk(rec.mu);
-  if (rec.closed) o.closed = rec.reason;
-  for (Message& m : rec.messages)
-    if (m.header.handle != 9999) o.delivered.push_back(std::move(m));
+  o.closed = deliveries_before_end(peer.fd, rec, o.delivered);
   return o;
 }
 

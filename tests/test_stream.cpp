@@ -720,7 +720,7 @@ TEST(StreamHandshake, ServerHandsOverFrameSentWithHello) {
   std::vector<std::uint8_t> welcome(kWelcomeSize);
   ASSERT_TRUE(testutil::read_exact(sp.b, welcome.data(), welcome.size()));
   // On a socket the server announces that it takes fds, in batches too.
-  EXPECT_EQ(welcome, encode_welcome(kFlagFdPassing | kFlagFdBatches, 42, 1,
+  EXPECT_EQ(welcome, encode_welcome(kFlagFdPassing | kFlagFdBatches | kFlagMemfdRanges, 42, 1,
                                     static_cast<std::uint32_t>(::getpid()), kDefaultMaxMessageSize));
   FrameReader reader(sp.b);
   auto m = reader.next();
@@ -738,7 +738,7 @@ TEST(StreamHandshake, ClientHandsOverFrameSentWithWelcome) {
   h.make(sp.a, sp.a, &rec, {}, std::make_unique<ClientHandshake>(777));
   std::vector<std::uint8_t> hello(kHelloSize);
   ASSERT_TRUE(testutil::read_exact(sp.b, hello.data(), hello.size()));
-  EXPECT_EQ(hello, encode_hello(kProtocolVersion, kFlagFdPassing | kFlagFdBatches, 777));
+  EXPECT_EQ(hello, encode_hello(kProtocolVersion, kFlagFdPassing | kFlagFdBatches | kFlagMemfdRanges, 777));
 
   auto bytes = concat(encode_welcome(kFlagNone, 9, 3, 555, 1u << 20),
                       frame_bytes(2002, "rides with the welcome"));

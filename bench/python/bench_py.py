@@ -92,9 +92,9 @@ _last_info = None  # bounce_buffer()'s, for buffer_info()
 def bounce_buffer(a):
     """bounce(), returning the array copied into a spindle.Buffer, and only
     that: the Buffer's memfd is then the reply itself, and the copy into it is
-    the only one. (Inside a tuple with the timings, it was copied once more
-    into the reply's memfd, as the docs say.) The timings wait for
-    buffer_info()."""
+    the only one. (bounce() returns the received array itself, which goes
+    back as a range of the memfd it came in: no copy at all.) The timings
+    wait for buffer_info()."""
     global _last_info
     _, _last_info = bounce(a)
     buf = spindle.Buffer(shape=a.shape, dtype=a.dtype)
