@@ -201,11 +201,9 @@ bool Stream::bind_fds(Message& m) {
 
 namespace {
 
-// A ranged memfd body's inline bytes: the range descriptor, then the bytes
-// of `data` before the range and after it (views, not copies).
-Payload memfd_range_around(const Payload& data, const MemfdSpan& span) {
-  const auto desc = encode_memfd_range({span.offset, span.length, static_cast<std::uint32_t>(span.at)});
-  Payload out = Payload::copy_of(std::span<const std::uint8_t>(desc));
+// The bytes of `data` before its memfd range and after it (views, not
+// copies), after `out`'s.
+Payload bytes_around(const Payload& data, const MemfdSpan& span, Payload out = {}) {
   const std::size_t end = span.at + span.length;
   std::size_t pos = 0;
   for (const Slice& s : data.slices()) {
@@ -218,6 +216,13 @@ Payload memfd_range_around(const Payload& data, const MemfdSpan& span) {
     pos = hi;
   }
   return out;
+}
+
+// A ranged memfd body's inline bytes: the range descriptor, then the bytes
+// around the range.
+Payload memfd_range_around(const Payload& data, const MemfdSpan& span) {
+  const auto desc = encode_memfd_range({span.offset, span.length, static_cast<std::uint32_t>(span.at)});
+  return bytes_around(data, span, Payload::copy_of(std::span<const std::uint8_t>(desc)));
 }
 
 }  // namespace
@@ -280,7 +285,17 @@ void Stream::push_frame(Message&& m, std::size_t charged) {
   if (m.sealed_body) {
     // Never mapped whole: streamed a window at a time (tx_queue.h).
     size = m.sealed_body->size();
+    f.streamed_len = size;
     f.streamed = std::move(m.sealed_body);
+  } else if (const MemfdSpan& span = m.data.memfd_span(); span.memfd && span.length > kStreamWindow) {
+    // A memfd range (whole or not) goes the same way: its view is not read,
+    // so the pages the peer is sent are never all mapped here at once.
+    size = m.data.size();
+    f.streamed_at = span.offset;
+    f.streamed_len = span.length;
+    f.streamed_split = span.at;
+    f.body = bytes_around(m.data, span);
+    f.streamed = span.memfd;
   } else {
     size = m.data.size();
   }

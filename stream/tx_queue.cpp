@@ -64,7 +64,7 @@ BlockPool& pool() {
 }  // namespace
 
 std::size_t TxFrame::body_size() const {
-  return (prefixed ? kFdPrefixSize : 0) + (streamed ? streamed->size() : body.size());
+  return (prefixed ? kFdPrefixSize : 0) + body.size() + (streamed ? streamed_len : 0);
 }
 
 TxQueue::~TxQueue() { clear(); }
@@ -221,20 +221,35 @@ TxQueue::Gather TxQueue::gather(iovec* iov, int max, bool fd_batches) {
     std::size_t skip = e.sent;
     if (f.has_header) skip = add_part(f.header.data(), kHeaderSize, skip);
     if (f.prefixed) skip = add_part(f.prefix.data(), kFdPrefixSize, skip);
-    if (f.streamed) {
-      const std::size_t size = f.streamed->size();
-      if (skip < size && g.iovcnt < max) {
-        if (!map_window(e, skip, g.error)) return g;
-        std::size_t in = skip - e.window_at;
-        add(static_cast<const std::uint8_t*>(e.window) + in, e.window_len - in);
-      }
-      // One window per write: the rest of the body goes next time.
-      if (e.window_at + e.window_len < size) break;
-    } else {
+    // The body's slices from byte `from` of it up to byte `to`.
+    auto add_body = [&](std::size_t from, std::size_t to) {
+      std::size_t at = 0;
       for (const Slice& sl : f.body.slices()) {
         if (g.iovcnt == max) break;
-        skip = add_part(sl.data, sl.size, skip);
+        const std::size_t lo = std::max(at, from), hi = std::min(at + sl.size, to);
+        if (lo < hi) skip = add_part(sl.data + (lo - at), hi - lo, skip);
+        at += sl.size;
       }
+    };
+    if (f.streamed) {
+      add_body(0, f.streamed_split);
+      if (g.iovcnt == max) break;  // the range must not start before the bytes ahead of it
+      if (skip >= f.streamed_len) {
+        skip -= f.streamed_len;
+      } else if (g.iovcnt < max) {
+        const std::size_t from = f.streamed_at + skip, end = f.streamed_at + f.streamed_len;
+        if (!map_window(e, from, g.error)) return g;
+        const std::size_t in = from - e.window_at;
+        add(static_cast<const std::uint8_t*>(e.window) + in, std::min(e.window_at + e.window_len, end) - from);
+        skip = 0;
+        // One window per write: the rest of the body goes next time.
+        if (e.window_at + e.window_len < end) break;
+      } else {
+        break;
+      }
+      add_body(f.streamed_split, f.body.size());
+    } else {
+      add_body(0, f.body.size());
     }
     ++fi;
   }

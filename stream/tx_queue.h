@@ -54,8 +54,12 @@ struct TxFrame {
   HeaderBytes header{};
   bool has_header = true;  // false for raw handshake bytes
   Payload body;
-  // A body read from this memfd in windows (a peer without fd passing).
+  // A body read from this memfd in windows (a peer without fd passing): its
+  // `streamed_len` bytes from `streamed_at`, put in after the first
+  // `streamed_split` bytes of `body` (the bytes around a memfd range; for a
+  // memfd body, `body` is empty and the range is the whole memfd).
   std::shared_ptr<const SealedMemfd> streamed;
+  std::size_t streamed_at = 0, streamed_len = 0, streamed_split = 0;
   std::size_t charged = 0;  // high-water-mark bytes, released once written
   std::size_t skip = 0;     // bytes of it already written (by an application thread)
   // SF frames: the prefix (sent between header and body, and marked as a

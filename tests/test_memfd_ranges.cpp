@@ -240,7 +240,10 @@ TEST(MemfdRanges, TheReceiverChecksARangeAgainstItsMemfd) {
 }
 
 // A peer that takes fds but did not announce kFlagMemfdRanges (an older
-// Spindle) is sent a payload with a memfd range inline, bytes and all.
+// Spindle) is sent a payload with a memfd range inline, bytes and all: the
+// range a window of the memfd at a time (tx_queue.h), between the bytes
+// around it; here one range starts on a page and one does not, and both
+// span several windows.
 TEST(MemfdRanges, APeerWithoutRangesGetsTheBytesInline) {
   FdRecorder rec;
   StreamHarness h;
@@ -249,23 +252,29 @@ TEST(MemfdRanges, APeerWithoutRangesGetsTheBytesInline) {
                      std::make_unique<ServerHandshake>(0, static_cast<std::uint32_t>(::getpid()), 64u << 20,
                                                        [](const PeerInfo&) { return std::uint32_t{7}; }));
   EXPECT_EQ(peer.handshake(kFlagFdPassing | kFlagFdBatches), 7u);
-  Payload body = fabric(2u << 20, 6);
-  Payload ready = memfd_ready(wrapped(body), kThreshold);
-  ASSERT_TRUE(ready.memfd_span().memfd);
-  Message m;
-  m.header.dst_id = 7;
-  m.header.src_id = 0;
-  m.header.handle = 4000;
-  m.header.length = static_cast<std::uint32_t>(ready.size());
-  m.data = ready;
-  h.on([&] {
-    s->enqueue(std::move(m), 0);
-    s->flush();
-  });
-  Message got;
-  ASSERT_TRUE(peer.read_frame_for(7, 4000, got));
-  EXPECT_EQ(got.header.enc, kEncRaw) << "not an SF frame";
-  EXPECT_TRUE(got.data.to_string() == wrapped(body).to_string());
+  Payload body = fabric(4u << 20, 6);
+  const std::string all = body.to_string();
+  const std::size_t odd = (2u << 20) + 7;
+  const Payload sent[] = {memfd_ready(wrapped(body), kThreshold),
+                          body.memfd()->map_into(Payload::copy_of(std::string(5000, 'a') + "tail"), 5000, 5001, odd)};
+  const std::string want[] = {wrapped(body).to_string(), std::string(5000, 'a') + all.substr(5001, odd) + "tail"};
+  for (std::uint32_t i = 0; i < 2; ++i) {
+    ASSERT_TRUE(sent[i].memfd_span().memfd);
+    Message m;
+    m.header.dst_id = 7;
+    m.header.src_id = 0;
+    m.header.handle = 4000 + i;
+    m.header.length = static_cast<std::uint32_t>(sent[i].size());
+    m.data = sent[i];
+    h.on([&] {
+      s->enqueue(std::move(m), 0);
+      s->flush();
+    });
+    Message got;
+    ASSERT_TRUE(peer.read_frame_for(7, 4000 + i, got));
+    EXPECT_EQ(got.header.enc, kEncRaw) << "not an SF frame";
+    EXPECT_TRUE(got.data.to_string() == want[i]) << "payload " << i;
+  }
 }
 
 }  // namespace test_memfd_ranges
