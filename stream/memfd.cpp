@@ -157,12 +157,13 @@ class MappedRanges {
 
 // Keeps a read-only mapping, and the memfd behind it, alive for a Payload.
 // The `length` bytes at `bytes` within it are the memfd's from `offset`
-// (all of it, for map(); the range, for map_into()).
+// (all of it, for map(); the range, for map_into(), whose bytes around it
+// stay charged by `kept`).
 class Mapping {
  public:
   Mapping(void* addr, std::size_t size, std::shared_ptr<const SealedMemfd> memfd, const std::uint8_t* bytes,
-          std::size_t length, std::size_t offset)
-      : addr_(addr), size_(size), bytes_(bytes), memfd_(std::move(memfd)) {
+          std::size_t length, std::size_t offset, Charge kept = {})
+      : addr_(addr), size_(size), bytes_(bytes), memfd_(std::move(memfd)), kept_(std::move(kept)) {
     MappedRanges::get().add(bytes_, length, memfd_.get(), offset);
   }
   ~Mapping() {
@@ -177,6 +178,7 @@ class Mapping {
   std::size_t size_;
   const std::uint8_t* bytes_;
   std::shared_ptr<const SealedMemfd> memfd_;
+  Charge kept_;
 };
 
 std::size_t page_size() {
@@ -244,8 +246,8 @@ Payload SealedMemfd::map() const {
 // and after the range written around it. Those writes copy at most the
 // first and last of the memfd's pages (copy on write) and fill anonymous
 // pages beside them; every other page is the memfd's own, never copied.
-Payload SealedMemfd::map_into(const Payload& around, std::size_t at, std::size_t offset,
-                              std::size_t length) const {
+Payload SealedMemfd::map_into(const Payload& around, std::size_t at, std::size_t offset, std::size_t length,
+                              Charge kept) const {
   if (length == 0 || offset > size_ || length > size_ - offset || at > around.size())
     throw std::system_error(EINVAL, std::generic_category(), "memfd range outside the memfd");
   const std::size_t head = at, tail = around.size() - at;
@@ -278,7 +280,7 @@ Payload SealedMemfd::map_into(const Payload& around, std::size_t at, std::size_t
     throw std::system_error(err, std::generic_category(), "mprotect(PROT_READ)");
   }
   std::shared_ptr<const SealedMemfd> self = shared_from_this();
-  auto owner = std::make_shared<Mapping>(region, total, self, range, length, offset);
+  auto owner = std::make_shared<Mapping>(region, total, self, range, length, offset, std::move(kept));
   Payload p;
   p.append(Slice{std::move(owner), out, head + length + tail});
   p.set_memfd_span(MemfdSpan{std::move(self), at, offset, length});

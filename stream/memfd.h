@@ -73,8 +73,11 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   // `around` with `length` bytes of this memfd, from `offset`, put in at
   // byte `at`: a view of a mapping of the memfd (not populated, never a
   // copy) between the bytes of `around`, and memfd_span() names it. The
-  // caller has checked the range. Throws std::system_error.
-  Payload map_into(const Payload& around, std::size_t at, std::size_t offset, std::size_t length) const;
+  // caller has checked the range. `kept` (the charge for the bytes around,
+  // copied into the view's own pages) lives as long as the view. Throws
+  // std::system_error.
+  Payload map_into(const Payload& around, std::size_t at, std::size_t offset, std::size_t length,
+                   Charge kept = {}) const;
 
   // Bytes of a memfd among the `n` bytes at `p`, found by address in the
   // live mappings (map(), map_into()): bytes received in a memfd and put

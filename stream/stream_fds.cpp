@@ -175,12 +175,26 @@ bool Stream::bind_fds(Message& m) {
         err = fmt::format("message too large: {} bytes exceeds the maximum of {}",
                           m.data.size() - kMemfdRangeSize + range->length, opts_.max_message_size);
     }
+    // The bytes around the range are copied into the view's own pages, and
+    // the receive chunk they sat in may then retire: the view carries their
+    // charge instead, as the chunk did (with the memfd's, adopt()).
+    Charge around;
+    if (range && err.empty() && account_) {
+      const std::size_t n = m.data.size() - kMemfdRangeSize;
+      if (peer_charge() == PeerCharge::kAlways)
+        account_->charge(n);
+      else if (!account_->try_charge_within(n))
+        err = fmt::format("{} bytes around a memfd range do not fit the sender's memory allowance ({})", n,
+                          account_->holdings());
+      if (err.empty()) around = Charge(account_, n);
+    }
     if (range && err.empty()) {
       // Mapped now (not populated: a view costs no page until read), since
       // the body is no longer the memfd alone; sent on, the range goes as
       // the same fd again (push_frame).
       try {
-        m.data = body->map_into(drop_front(m.data, kMemfdRangeSize), range->at, range->offset, range->length);
+        m.data = body->map_into(drop_front(m.data, kMemfdRangeSize), range->at, range->offset, range->length,
+                                std::move(around));
         m.header.length = static_cast<std::uint32_t>(m.data.size());
       } catch (const std::system_error& e) {
         err = e.what();

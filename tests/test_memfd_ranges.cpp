@@ -184,11 +184,12 @@ struct Outcome {
   std::vector<std::string> refusals;
   std::vector<Message> delivered;
 };
-Outcome send_ranged(std::uint16_t announced, const MemfdRange& range, const std::string& around, int memfd) {
+Outcome send_ranged(std::uint16_t announced, const MemfdRange& range, const std::string& around, int memfd,
+                    StreamOptions opts = {}) {
   FdRecorder rec;
   StreamHarness h;
   RawPeer peer;
-  h.make(peer.router_end, peer.router_end, &rec, {},
+  h.make(peer.router_end, peer.router_end, &rec, opts,
          std::make_unique<ServerHandshake>(0, static_cast<std::uint32_t>(::getpid()), 64u << 20,
                                            [](const PeerInfo&) { return std::uint32_t{7}; }));
   EXPECT_EQ(peer.handshake(announced), 7u);
@@ -227,6 +228,17 @@ TEST(MemfdRanges, TheReceiverChecksARangeAgainstItsMemfd) {
     ASSERT_EQ(o.refusals.size(), 1u);
     EXPECT_TRUE(contains(o.refusals[0], reason::kBadMemfd)) << o.refusals[0];
   }
+  // An untrusted peer's bytes around a range are charged to it, beside its
+  // memfd: they must fit its allowance too.
+  StreamOptions strict;
+  strict.untrusted = true;
+  strict.memory_limit = 80 * 1024;
+  Outcome fits = send_ranged(flags, MemfdRange{0, 1000, 0}, std::string(4096, 'x'), fd, strict);
+  EXPECT_EQ(fits.delivered.size(), 1u) << (fits.refusals.empty() ? fits.closed : fits.refusals[0]);
+  Outcome over = send_ranged(flags, MemfdRange{0, 1000, 0}, std::string(32 * 1024, 'x'), fd, strict);
+  EXPECT_TRUE(over.delivered.empty());
+  ASSERT_EQ(over.refusals.size(), 1u) << over.closed;
+  EXPECT_TRUE(contains(over.refusals[0], "around a memfd range do not fit")) << over.refusals[0];
   // A stream that never announced ranges (this peer did not ask for them,
   // and the stream always offers them) still refuses nothing it can read:
   // the flag is known to it. A peer that sends the flag to a side that did
