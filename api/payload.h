@@ -43,6 +43,7 @@ struct Slice {
 struct MemfdSpan {
   std::shared_ptr<const SealedMemfd> memfd;
   std::size_t at = 0, offset = 0, length = 0;
+  bool whole = false;  // the payload is exactly the whole memfd
 };
 
 class Payload {
@@ -90,15 +91,17 @@ class Payload {
   // PayloadBuffer, or a memfd body received): a stream to a peer that takes
   // fds then passes the fd instead of the bytes. Null when only a range of
   // the payload sits in a memfd (memfd_span()).
-  std::shared_ptr<const SealedMemfd> memfd() const { return whole_memfd_ && span_.length == size_ ? span_.memfd : nullptr; }
+  std::shared_ptr<const SealedMemfd> memfd() const {
+    return span_ && span_->whole && span_->length == size_ ? span_->memfd : nullptr;
+  }
   void set_memfd(std::shared_ptr<const SealedMemfd> m) {
-    span_ = MemfdSpan{std::move(m), 0, 0, size_};
-    whole_memfd_ = span_.memfd != nullptr;
+    if (m) span_ = std::make_shared<const MemfdSpan>(MemfdSpan{std::move(m), 0, 0, size_, true});
+    else span_.reset();
   }
   // The range of the payload that sits in a memfd, whole or in part (its
   // memfd is null when none does). set_memfd_span() is the library's: the
   // caller vouches that the span's bytes are those of the memfd's range.
-  const MemfdSpan& memfd_span() const { return span_; }
+  const MemfdSpan& memfd_span() const { return span_ ? *span_ : kNoSpan; }
   void set_memfd_span(MemfdSpan s);
 
  private:
@@ -109,8 +112,6 @@ class Payload {
     count_ = o.count_;
     size_ = o.size_;
     span_ = std::move(o.span_);
-    whole_memfd_ = o.whole_memfd_;
-    o.whole_memfd_ = false;
     o.spill_.clear();
     o.count_ = 0;
     o.size_ = 0;
@@ -121,15 +122,13 @@ class Payload {
     count_ = o.count_;
     size_ = o.size_;
     span_ = o.span_;
-    whole_memfd_ = o.whole_memfd_;
   }
   void clear() noexcept {
     for (auto& s : inline_) s = Slice{};
     spill_.clear();
     count_ = 0;
     size_ = 0;
-    span_ = MemfdSpan{};
-    whole_memfd_ = false;
+    span_.reset();
   }
 
   // Up to kInline slices live in inline_; past that, all of them in spill_.
@@ -137,8 +136,10 @@ class Payload {
   std::vector<Slice> spill_;
   std::size_t count_ = 0;
   std::size_t size_ = 0;
-  MemfdSpan span_;
-  bool whole_memfd_ = false;  // span_ covers the payload and its whole memfd
+  // Out of line: only a large payload has one, and every small message
+  // moves its Payload several times on the way.
+  std::shared_ptr<const MemfdSpan> span_;
+  static inline const MemfdSpan kNoSpan{};
 };
 
 }  // namespace spindle

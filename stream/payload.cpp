@@ -31,8 +31,9 @@ Payload Payload::adopt(std::shared_ptr<const Chunk> chunk, std::size_t size) {
 }
 
 void Payload::set_memfd_span(MemfdSpan s) {
-  whole_memfd_ = s.memfd && s.at == 0 && s.offset == 0 && s.length == size_ && s.length == s.memfd->size();
-  span_ = std::move(s);
+  if (!s.memfd) return span_.reset();
+  s.whole = s.at == 0 && s.offset == 0 && s.length == size_ && s.length == s.memfd->size();
+  span_ = std::make_shared<const MemfdSpan>(std::move(s));
 }
 
 void Payload::append(Slice s) {
