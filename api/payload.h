@@ -43,7 +43,7 @@ struct Slice {
 struct MemfdSpan {
   std::shared_ptr<const SealedMemfd> memfd;
   std::size_t at = 0, offset = 0, length = 0;
-  bool whole = false;  // the payload is exactly the whole memfd
+  bool whole = false;  // the payload is exactly the whole memfd (set_memfd_span() works it out)
 };
 
 class Payload {
@@ -94,10 +94,7 @@ class Payload {
   std::shared_ptr<const SealedMemfd> memfd() const {
     return span_ && span_->whole && span_->length == size_ ? span_->memfd : nullptr;
   }
-  void set_memfd(std::shared_ptr<const SealedMemfd> m) {
-    if (m) span_ = std::make_shared<const MemfdSpan>(MemfdSpan{std::move(m), 0, 0, size_, true});
-    else span_.reset();
-  }
+  void set_memfd(std::shared_ptr<const SealedMemfd> m) { set_memfd_span(MemfdSpan{std::move(m), 0, 0, size_}); }
   // The range of the payload that sits in a memfd, whole or in part (its
   // memfd is null when none does). set_memfd_span() is the library's: the
   // caller vouches that the span's bytes are those of the memfd's range.

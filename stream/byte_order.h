@@ -24,6 +24,11 @@ inline void put32(std::uint8_t* p, std::uint32_t v) {
   std::memcpy(p, &v, sizeof v);
 }
 
+inline void put64(std::uint8_t* p, std::uint64_t v) {
+  put32(p, static_cast<std::uint32_t>(v >> 32));
+  put32(p + 4, static_cast<std::uint32_t>(v));
+}
+
 inline void append16(std::vector<std::uint8_t>& out, std::uint16_t v) {
   std::uint8_t b[2];
   put16(b, v);
@@ -44,5 +49,7 @@ inline std::uint32_t get32(const std::uint8_t* p) {
   return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
          std::uint32_t{p[3]};
 }
+
+inline std::uint64_t get64(const std::uint8_t* p) { return (std::uint64_t{get32(p)} << 32) | get32(p + 4); }
 
 }  // namespace spindle::be

@@ -36,10 +36,8 @@ void first_bytes(const Payload& data, std::uint8_t* out, std::size_t n) {
 
 std::array<std::uint8_t, kMemfdRangeSize> encode_memfd_range(const MemfdRange& r) {
   std::array<std::uint8_t, kMemfdRangeSize> b{};
-  be::put32(&b[0], static_cast<std::uint32_t>(r.offset >> 32));
-  be::put32(&b[4], static_cast<std::uint32_t>(r.offset));
-  be::put32(&b[8], static_cast<std::uint32_t>(r.length >> 32));
-  be::put32(&b[12], static_cast<std::uint32_t>(r.length));
+  be::put64(&b[0], r.offset);
+  be::put64(&b[8], r.length);
   be::put32(&b[16], r.at);
   return b;
 }
@@ -53,8 +51,8 @@ std::optional<MemfdRange> decode_memfd_range(const Payload& inline_bytes, std::u
   std::uint8_t raw[kMemfdRangeSize];
   first_bytes(inline_bytes, raw, kMemfdRangeSize);
   MemfdRange r;
-  r.offset = (std::uint64_t{be::get32(raw)} << 32) | be::get32(raw + 4);
-  r.length = (std::uint64_t{be::get32(raw + 8)} << 32) | be::get32(raw + 12);
+  r.offset = be::get64(raw);
+  r.length = be::get64(raw + 8);
   r.at = be::get32(raw + 16);
   const std::uint64_t around = inline_bytes.size() - kMemfdRangeSize;
   if (r.length == 0 || r.offset > memfd_size || r.length > memfd_size - r.offset)

@@ -331,6 +331,9 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   void resume_reading();  // via ReadResumer, on the broker thread
  private:
   bool bind_fds(Message& m);  // false: refused or protocol error (already handled)
+  // Maps a ranged memfd body into `m.data`; the reason if it is refused.
+  std::string view_memfd_range(Message& m, const SealedMemfd& body);
+  std::string too_large(std::uint64_t size) const;  // the refusal's text
   void protocol_error(const ParseResult& r);
   bool orphan_fds() const;
   void push_frame(Message&& m, std::size_t charged);

@@ -165,47 +165,14 @@ bool Stream::bind_fds(Message& m) {
     std::string err;
     auto body = SealedMemfd::adopt(std::move(fds.front()), err, account_, peer_charge());
     fds.erase(fds.begin());
-    if (body && body->size() > opts_.max_message_size)
-      err = fmt::format("message too large: {} bytes exceeds the maximum of {}", body->size(),
-                        opts_.max_message_size);
-    std::optional<MemfdRange> range;
-    if (body && err.empty() && prefix->memfd_range()) {
-      range = decode_memfd_range(m.data, body->size(), err);
-      if (range && m.data.size() - kMemfdRangeSize + range->length > opts_.max_message_size)
-        err = fmt::format("message too large: {} bytes exceeds the maximum of {}",
-                          m.data.size() - kMemfdRangeSize + range->length, opts_.max_message_size);
-    }
-    // The bytes around the range are copied into the view's own pages, and
-    // the receive chunk they sat in may then retire: the view carries their
-    // charge instead, as the chunk did (with the memfd's, adopt()).
-    Charge around;
-    if (range && err.empty() && account_) {
-      const std::size_t n = m.data.size() - kMemfdRangeSize;
-      if (peer_charge() == PeerCharge::kAlways)
-        account_->charge(n);
-      else if (!account_->try_charge_within(n))
-        err = fmt::format("{} bytes around a memfd range do not fit the sender's memory allowance ({})", n,
-                          account_->holdings());
-      if (err.empty()) around = Charge(account_, n);
-    }
-    if (range && err.empty()) {
-      // Mapped now (not populated: a view costs no page until read), since
-      // the body is no longer the memfd alone; sent on, the range goes as
-      // the same fd again (push_frame).
-      try {
-        m.data = body->map_into(drop_front(m.data, kMemfdRangeSize), range->at, range->offset, range->length,
-                                std::move(around));
-        m.header.length = static_cast<std::uint32_t>(m.data.size());
-      } catch (const std::system_error& e) {
-        err = e.what();
-      }
-    }
+    if (body && body->size() > opts_.max_message_size) err = too_large(body->size());
+    if (body && err.empty() && prefix->memfd_range()) err = view_memfd_range(m, *body);
     if (!err.empty()) {
       std::string why = fmt::format("{}: {}", fdreason::kBadMemfd, err);
       listener_->on_stream_refused(*this, std::move(m), StreamListener::Refused::kOnArrival, why);  // it logs, at the rate it allows
       return false;
     }
-    if (!range) m.sealed_body = std::move(body);
+    if (!prefix->memfd_range()) m.sealed_body = std::move(body);  // a range's view already holds it
   }
   // The batch's charge goes with every frame's share of it (a memfd body's
   // too): released when the last of them is gone.
@@ -240,6 +207,42 @@ Payload memfd_range_around(const Payload& data, const MemfdSpan& span) {
 }
 
 }  // namespace
+
+std::string Stream::too_large(std::uint64_t size) const {
+  return fmt::format("message too large: {} bytes exceeds the maximum of {}", size, opts_.max_message_size);
+}
+
+// A ranged memfd body (kFdFlagMemfdRange): `m.data` holds the descriptor and
+// the bytes around the range. Mapped now (not populated: a view costs no
+// page until read), since the body is no longer the memfd alone; sent on,
+// the range goes as the same fd again (push_frame).
+std::string Stream::view_memfd_range(Message& m, const SealedMemfd& body) {
+  std::string err;
+  const std::optional<MemfdRange> range = decode_memfd_range(m.data, body.size(), err);
+  if (!range) return err;
+  const std::size_t around_size = m.data.size() - kMemfdRangeSize;
+  if (around_size + range->length > opts_.max_message_size) return too_large(around_size + range->length);
+  // The bytes around are copied into the view's own pages, and the receive
+  // chunk they sat in may then retire: the view carries their charge
+  // instead, as the chunk did (the memfd's own is adopt()'s).
+  Charge around;
+  if (account_) {
+    if (peer_charge() == PeerCharge::kAlways)
+      account_->charge(around_size);
+    else if (!account_->try_charge_within(around_size))
+      return fmt::format("{} bytes around a memfd range do not fit the sender's memory allowance ({})",
+                         around_size, account_->holdings());
+    around = Charge(account_, around_size);
+  }
+  try {
+    m.data = body.map_into(drop_front(m.data, kMemfdRangeSize), range->at, range->offset, range->length,
+                           std::move(around));
+  } catch (const std::system_error& e) {
+    return e.what();
+  }
+  m.header.length = static_cast<std::uint32_t>(m.data.size());
+  return {};
+}
 
 void Stream::refuse(Message&& m, std::size_t charged, const std::string& reason) {
   if (charged) port_->gauge.release(charged);

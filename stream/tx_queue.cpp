@@ -236,7 +236,7 @@ TxQueue::Gather TxQueue::gather(iovec* iov, int max, bool fd_batches) {
       if (g.iovcnt == max) break;  // the range must not start before the bytes ahead of it
       if (skip >= f.streamed_len) {
         skip -= f.streamed_len;
-      } else if (g.iovcnt < max) {
+      } else {
         const std::size_t from = f.streamed_at + skip, end = f.streamed_at + f.streamed_len;
         if (!map_window(e, from, g.error)) return g;
         const std::size_t in = from - e.window_at;
@@ -244,8 +244,6 @@ TxQueue::Gather TxQueue::gather(iovec* iov, int max, bool fd_batches) {
         skip = 0;
         // One window per write: the rest of the body goes next time.
         if (e.window_at + e.window_len < end) break;
-      } else {
-        break;
       }
       add_body(f.streamed_split, f.body.size());
     } else {
