@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "bench/child_start.h"
+#include "bench/forks_floor.h"
 #include "bench/proc_status.h"
 #include "bench/report.h"
 #include "tests/forks_scaling.h"
@@ -37,6 +38,7 @@ struct Row {
   int n;
   bool burst;
   scaling::Result r;
+  bench::ExchangeFloor raw;  // burst rows only
 };
 
 std::string router_binary() {
@@ -146,8 +148,8 @@ int main(int argc, char** argv) {
   }
   std::printf("\nspindle bench_forks%s: N workers fork, connect, %d ping calls, one sibling call each\n",
               quick ? " --quick" : "", calls);
-  std::printf("%-14s %6s %10s %12s %12s %9s %14s %14s\n", "mode", "N", "wall ms", "ms/worker",
-              "slowest ms", "failures", "fork+exit ms", "floor ms/wkr");
+  std::printf("%-14s %6s %10s %12s %12s %9s %14s %14s %14s\n", "mode", "N", "wall ms", "ms/worker",
+              "slowest ms", "failures", "fork+exit ms", "floor ms/wkr", "raw exch ms/w");
   std::vector<Row> rows;
   int total_failures = 0;
   for (bool burst : {true, false}) {
@@ -162,13 +164,21 @@ int main(int argc, char** argv) {
       scaling::Result r = scaling::run(o);
       const double router_peak_mib = bench::status_kib(router.pid(), "VmHWM") / 1024.0;
       total_failures += r.failures;
-      std::printf("%-14s %6d %10.1f %12.3f %12.1f %9d %14.1f %14.3f\n", burst ? "burst" : "one-at-a-time",
+      // The scenario's own floor: the same burst with raw sockets and no Spindle.
+      bench::ExchangeFloor raw;
+      if (burst) raw = bench::exchange_floor(n, calls, dir.path() + "/floor.sock");
+      std::printf("%-14s %6d %10.1f %12.3f %12.1f %9d %14.1f %14.3f %14s\n", burst ? "burst" : "one-at-a-time",
                   n, r.wall_ms, r.wall_ms / n, r.slowest_ms, r.failures, r.raw_fork_exit_ms,
-                  r.raw_fork_exit_ms / n);
+                  r.raw_fork_exit_ms / n, burst ? fmt::format("{:.3f}", raw.wall_ms / n).c_str() : "-");
       for (auto& e : r.errors) std::printf("    %s\n", e.c_str());
-      rows.push_back({n, burst, r});
+      rows.push_back({n, burst, r, raw});
       const std::string name = fmt::format("forks_{}_{}", burst ? "burst" : "one_at_a_time", n);
       report.add(name + "_ms_per_worker", r.wall_ms / n, "ms", r.raw_fork_exit_ms / n);
+      if (burst) {
+        if (raw.failures != 0) total_failures += raw.failures;
+        report.add(name + "_raw_exchange_ms_per_worker", raw.wall_ms / n, "ms", r.raw_fork_exit_ms / n);
+        report.add(name + "_ms_per_worker_to_raw_exchange", r.wall_ms / n, "ms", raw.wall_ms / n);
+      }
       report.add(name + "_slowest_ms", r.slowest_ms, "ms");
       report.add(name + "_failures", r.failures, "workers");
       // What N connections cost the router: an idle one holds no receive
@@ -185,6 +195,10 @@ int main(int argc, char** argv) {
                   "<= 0.3 ms per worker (%.3f ms) -> %s; %d failures\n",
                   max_n, ratio, ratio <= 1.5 && row.r.failures == 0 ? "MET" : "MISSED", per,
                   per <= 0.3 && row.r.failures == 0 ? "MET" : "MISSED", row.r.failures);
+      std::printf("the same burst with raw sockets and no Spindle (connect, %d round trips through an echo "
+                  "process, one of them a barrier for all N, exit): %.3f ms per worker, %.2fx fork+exit; Spindle is %.2fx of it\n",
+                  calls + 4, row.raw.wall_ms / max_n, row.raw.wall_ms / row.r.raw_fork_exit_ms,
+                  row.r.wall_ms / row.raw.wall_ms);
     }
   {
     const int children = quick ? 4 : 16;
