@@ -376,7 +376,28 @@ void Router::on_shutdown_deadline() {
   }
   std::vector<std::shared_ptr<Stream>> all;
   for (auto& [s, l] : links_) all.push_back(l->stream);
+  if (!all.empty()) log().warn("{}", still_open_summary());
   for (auto& s : all) s->close("shutdown grace period over");
+}
+
+// Who kept the shutdown waiting for the whole grace: a child that never
+// answered SHUTDOWN, a peer that reads nothing. Named, so that a slow close
+// is a line to read and not a mystery. At most kNamed links (a router may
+// have thousands of clients), then a count.
+std::string Router::still_open_summary() const {
+  constexpr std::size_t kNamed = 8;
+  std::string out = fmt::format("shutdown grace period over: {} link(s) still open:", links_.size());
+  std::size_t named = 0;
+  for (const auto& [s, l] : links_) {
+    if (named++ == kNamed) {
+      out += fmt::format(" and {} more", links_.size() - kNamed);
+      break;
+    }
+    out += fmt::format("{} {} {} ctx={} ({}, {} frame(s) queued)", named == 1 ? "" : ";",
+                       l->role == StreamRole::kParent ? "parent" : (l->client ? "client" : "child"), l->name,
+                       l->remote_id, to_string(l->stream->state()), l->stream->queued_frames());
+  }
+  return out + "; closing them";
 }
 
 void Router::maybe_drained() {

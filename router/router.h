@@ -289,6 +289,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   void on_shutdown_deadline() override;
 
  private:
+  std::string still_open_summary() const;
   struct Link {
     std::shared_ptr<Stream> stream;
     StreamRole role;

@@ -2,6 +2,9 @@
 // delivered, and what comes after fails with a clear error.
 #include <gtest/gtest.h>
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -10,6 +13,7 @@
 #include "router/child.h"
 #include "router/router.h"
 #include "tests/router_test_util.h"
+#include "tests/stream_test_util.h"
 
 namespace spindle {
 namespace test_shutdown {
@@ -116,6 +120,33 @@ TEST(Shutdown, RouteFailsFastWhenTheQueueIsFull) {
   ::kill(child.pid(), SIGKILL);
   auto st = child.wait_exit(10s);
   ASSERT_TRUE(st.has_value());
+}
+
+// A shutdown that waits out its whole grace says who it waited for: the
+// links still open, by role and name. Before, the only line was "grace
+// period over; force-closing 1 participant(s)", and a close that took the
+// whole 5 s (seen once in bench_py) left nothing to go on.
+TEST(Shutdown, TheGraceDeadlineNamesTheLinksStillOpen) {
+  ScopedLogCapture capture;
+  Broker::Options o;
+  o.shutdown_grace = 200ms;
+  Broker broker(o);
+  Router router(broker, root_opts());
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  // A child that never says a word, nor closes: its stream handshakes until
+  // the deadline (the handshake timeout is far longer).
+  run_on(broker, [&] { router.add_child_stream(sv[0], sv[0], 7, "silent-child"); });
+  const auto t0 = std::chrono::steady_clock::now();
+  broker.shutdown();
+  broker.join();
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 190ms) << "nothing kept it waiting?";
+  std::string line;
+  spdlog::level::level_enum level{};
+  ASSERT_TRUE(capture.sink().wait_for_line("still open", 1s, &line, &level));
+  EXPECT_EQ(level, spdlog::level::warn);
+  EXPECT_TRUE(contains(line, "1 link(s) still open: child silent-child ctx=7 (handshaking")) << line;
+  ::close(sv[1]);
 }
 
 }  // namespace test_shutdown
