@@ -45,13 +45,14 @@ std::string router_binary() {
   return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "spindle-router").string();
 }
 
-// ms per worker against N, one line per mode, plus the fork+exit floor.
+// ms per worker against N, one line per mode, plus the two floors: fork+exit,
+// and the same burst with raw sockets (bench/forks_floor.h).
 void write_svg(const std::string& path, const std::vector<Row>& rows) {
   const double W = 720, H = 420, L = 70, R = 20, T = 40, B = 60;
   double max_n = 1, max_y = 0.01;
   for (auto& row : rows) {
     max_n = std::max(max_n, static_cast<double>(row.n));
-    max_y = std::max({max_y, row.r.wall_ms / row.n, row.r.raw_fork_exit_ms / row.n});
+    max_y = std::max({max_y, row.r.wall_ms / row.n, row.r.raw_fork_exit_ms / row.n, row.raw.wall_ms / row.n});
   }
   auto x = [&](double n) { return L + (W - L - R) * std::log2(n) / std::max(1.0, std::log2(max_n)); };
   auto y = [&](double v) { return H - B - (H - T - B) * v / (max_y * 1.1); };
@@ -71,22 +72,26 @@ void write_svg(const std::string& path, const std::vector<Row>& rows) {
       svg += fmt::format("<text x='{}' y='{}' text-anchor='middle'>{}</text>\n", x(row.n), H - B + 16, row.n);
   svg += fmt::format("<text x='{}' y='{}' text-anchor='middle'>workers (N, log scale)</text>\n",
                      (L + W - R) / 2, H - 20);
+  enum class Figure { kSpindle, kForkExit, kRawExchange };
   struct Series {
     const char* name;
     const char* colour;
     bool burst;
-    bool floor;
+    Figure figure;
   };
-  const Series series[] = {{"burst", "#d62728", true, false},
-                           {"one at a time", "#1f77b4", false, false},
-                           {"raw fork()+_exit()", "#7f7f7f", true, true}};
+  const Series series[] = {{"burst", "#d62728", true, Figure::kSpindle},
+                           {"one at a time", "#1f77b4", false, Figure::kSpindle},
+                           {"raw fork()+_exit()", "#7f7f7f", true, Figure::kForkExit},
+                           {"burst, raw sockets", "#2ca02c", true, Figure::kRawExchange}};
+  auto ms_of = [](const Row& row, Figure f) {
+    return f == Figure::kForkExit ? row.r.raw_fork_exit_ms : f == Figure::kRawExchange ? row.raw.wall_ms : row.r.wall_ms;
+  };
   int legend = 0;
   for (const Series& s : series) {
     std::string pts;
     for (auto& row : rows)
       if (row.burst == s.burst)
-        pts += fmt::format("{:.1f},{:.1f} ", x(row.n),
-                           y((s.floor ? row.r.raw_fork_exit_ms : row.r.wall_ms) / row.n));
+        pts += fmt::format("{:.1f},{:.1f} ", x(row.n), y(ms_of(row, s.figure) / row.n));
     if (pts.empty()) continue;
     svg += fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", s.colour, pts);
     svg += fmt::format("<text x='{}' y='{}' fill='{}'>{}</text>\n", W - 170, T + 16 * ++legend, s.colour, s.name);
