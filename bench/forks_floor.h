@@ -18,8 +18,9 @@
 // freshly forked process.
 //
 // Thread safety: call it from a thread of a process that has no other thread
-// (it forks). Errors throw std::runtime_error; a worker that fails counts in
-// `failures`.
+// (it forks). Errors in this process throw (std::runtime_error, or Error for
+// a bad path); the forked server and workers never throw, they exit with a
+// status, and a worker that fails counts in `failures`.
 #pragma once
 
 #include <signal.h>
@@ -37,9 +38,8 @@
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include "bench/relay.h"
+#include "router/unix_address.h"
 
 namespace spindle::bench {
 
@@ -54,26 +54,34 @@ struct ExchangeFloor {
 
 namespace forks_floor {
 
-inline sockaddr_un address_of(const std::string& path) {
-  sockaddr_un a{};
-  a.sun_family = AF_UNIX;
-  if (path.size() >= sizeof a.sun_path) throw std::runtime_error("forks floor: socket path too long");
-  std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
-  return a;
+// Where the echo server listens; built once, before anything forks.
+struct Address {
+  sockaddr_un sun{};
+  socklen_t len = 0;
+};
+
+// writev_all() throws; in a forked child that ends the process instead.
+inline void echo(int fd, iovec iov) noexcept {
+  try {
+    writev_all(fd, &iov, 1);
+  } catch (...) {
+    ::_exit(3);
+  }
 }
 
 // The echo server's whole life: accept, echo what arrives, until SIGTERM;
 // hellos are held until `workers` of them came. It reports readiness with
 // one byte on `ready`. Never returns. A worker writes one message and waits
 // for it, so a read returns at most one.
-[[noreturn]] inline void serve(const std::string& path, int ready, int workers) {
+// Runs in a forked child: an error ends the process, never unwinds into the
+// parent's code.
+[[noreturn]] inline void serve(const Address& a, int ready, int workers) noexcept {
   int lfd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  sockaddr_un a = address_of(path);
   int ep = ::epoll_create1(EPOLL_CLOEXEC);
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.fd = lfd;
-  if (lfd < 0 || ::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(lfd, 4096) != 0 ||
+  if (lfd < 0 || ::bind(lfd, reinterpret_cast<const sockaddr*>(&a.sun), a.len) != 0 || ::listen(lfd, 4096) != 0 ||
       ep < 0 || ::epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &ev) != 0)
     ::_exit(2);
   if (::write(ready, "r", 1) != 1) ::_exit(2);
@@ -95,17 +103,14 @@ inline sockaddr_un address_of(const std::string& path) {
         continue;
       }
       ssize_t r = ::read(fd, buf, sizeof buf);
+      iovec iov{buf, static_cast<std::size_t>(r > 0 ? r : 0)};
       if (r > 1 && buf[1] == kFloorHello) {
         hellos.push_back(fd);
         if (static_cast<int>(hellos.size()) < workers) continue;
-        for (int h : hellos) {
-          iovec iov{buf, static_cast<std::size_t>(r)};
-          writev_all(h, &iov, 1);
-        }
+        for (int h : hellos) echo(h, iov);
         hellos.clear();
       } else if (r > 0) {
-        iovec iov{buf, static_cast<std::size_t>(r)};
-        writev_all(fd, &iov, 1);
+        echo(fd, iov);
       } else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
         ::close(fd);  // also leaves the epoll set
       }
@@ -114,12 +119,11 @@ inline sockaddr_un address_of(const std::string& path) {
 }
 
 // A worker's life after release: connect, round trips, exit.
-[[noreturn]] inline void work(const std::string& path, int release, int round_trips, int hello_at) {
+[[noreturn]] inline void work(const Address& a, int release, int round_trips, int hello_at) noexcept {
   char go;
   if (::read(release, &go, 1) != 1) ::_exit(3);
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un a = address_of(path);
-  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) ::_exit(4);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&a.sun), a.len) != 0) ::_exit(4);
   char msg[kFloorMessage] = {};
   char back[kFloorMessage];
   for (int i = 0; i < round_trips; ++i) {
@@ -142,12 +146,14 @@ inline sockaddr_un address_of(const std::string& path) {
 // ping round trips, the hello, three more.
 inline ExchangeFloor exchange_floor(int n, int pings, const std::string& path) {
   using Clock = std::chrono::steady_clock;
+  forks_floor::Address addr;
+  addr.len = UnixAddress::parse(path).to_sockaddr(addr.sun);  // throws here, not in a child
   int ready[2], release[2];
   if (::pipe2(ready, O_CLOEXEC) != 0 || ::pipe2(release, O_CLOEXEC) != 0)
     relay_fail("forks floor: pipe2");
   pid_t server = ::fork();
   if (server < 0) relay_fail("forks floor: fork");
-  if (server == 0) forks_floor::serve(path, ready[1], n);
+  if (server == 0) forks_floor::serve(addr, ready[1], n);
   ::close(ready[1]);
   char r;
   const bool up = ::read(ready[0], &r, 1) == 1;
@@ -162,7 +168,7 @@ inline ExchangeFloor exchange_floor(int n, int pings, const std::string& path) {
     if (p < 0) break;  // counted below as failures
     if (p == 0) {
       ::close(release[1]);
-      forks_floor::work(path, release[0], pings + 4, pings);
+      forks_floor::work(addr, release[0], pings + 4, pings);
     }
     pids.push_back(p);
   }
