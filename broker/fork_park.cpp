@@ -90,14 +90,14 @@ Parked::~Parked() {
   }
 }
 
-Parked park_all(Broker& must, std::chrono::milliseconds others_within) {
+Parked park_all(Broker* must, std::chrono::milliseconds others_within) {
   std::shared_ptr<Gate> mine;
   std::vector<std::shared_ptr<Gate>> others;
   {
     std::lock_guard lk(registry_mu());
-    if (!must.on_broker_thread()) mine = defer_gate(must);
+    if (must && !must->on_broker_thread()) mine = defer_gate(*must);
     for (Broker* b : registry())
-      if (b != &must && !b->hosted() && !b->on_broker_thread())
+      if (b != must && !b->hosted() && !b->on_broker_thread())
         if (auto g = defer_gate(*b)) others.push_back(std::move(g));
   }
   std::vector<std::shared_ptr<Gate>> all = others;

@@ -56,9 +56,14 @@ class Parked {
   std::vector<std::shared_ptr<Gate>> gates_;
 };
 
-// Parks `must` (waited for until it parks) and every other registered
-// broker (all of them within `others_within`).
-Parked park_all(Broker& must, std::chrono::milliseconds others_within);
+// How long a fork waits for the brokers it need not wait for.
+inline constexpr std::chrono::milliseconds kOthersParkWithin{200};
+
+// Parks `must` (waited for until it parks), if given, and every other
+// registered broker (all of them within `others_within`). fork_child()
+// names the broker it forks from; Zygote::start() names none, since the
+// zygote copies the whole process and no broker in particular.
+Parked park_all(Broker* must, std::chrono::milliseconds others_within = kOthersParkWithin);
 
 }  // namespace fork_park
 }  // namespace spindle

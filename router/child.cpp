@@ -39,9 +39,6 @@ extern char** environ;
 namespace spindle {
 namespace {
 
-// How long a fork waits for the other brokers of the process to park.
-constexpr std::chrono::milliseconds kOtherBrokersParkWithin{200};
-
 [[noreturn]] void throw_errno(const char* what) {
   throw std::system_error(errno, std::generic_category(), what);
 }
@@ -56,7 +53,7 @@ constexpr std::chrono::milliseconds kOtherBrokersParkWithin{200};
 // (services/fork.h). Other application threads are the application's to
 // quiesce.
 pid_t fork_quiesced(Broker& broker) {
-  fork_park::Parked parked = fork_park::park_all(broker, kOtherBrokersParkWithin);
+  fork_park::Parked parked = fork_park::park_all(&broker);
   pid_t pid = ::fork();
   if (pid == 0) parked.abandon();  // the child: nothing waits on the gates here
   return pid;  // the parent: `parked` lets the brokers go on

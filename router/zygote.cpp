@@ -40,6 +40,7 @@
 
 #include "broker/errors.h"
 #include "broker/fd_registry.h"
+#include "broker/fork_park.h"
 #include "router/child_internal.h"
 #include "stream/fd_control.h"
 
@@ -240,7 +241,19 @@ std::unique_ptr<Zygote> Zygote::start() {
     throw Error(fmt::format("Zygote::start: socketpair: {}", errno_text(errno)));
   fd_registry::note(sv[0]);
   std::fflush(nullptr);  // the zygote's children must not flush our buffers again
-  const pid_t pid = ::fork();
+  // Every broker of this process parked, as fork_child() does: the zygote is
+  // a copy of the whole process, and each child it clones a copy of that,
+  // so a lock a broker held at this instant (GCC 12's ASan allocator's, for
+  // one) would be held in every child. Once, in an ASan CI run (2026-11-29),
+  // all 16 children of
+  // Zygote.ChildrenOutliveTheZygoteAndForksFromManyThreadsAllAnswer hung
+  // before their handshake, from a zygote started beside a running broker.
+  pid_t pid;
+  {
+    fork_park::Parked parked = fork_park::park_all(nullptr);
+    pid = ::fork();
+    if (pid == 0) parked.abandon();
+  }
   if (pid < 0) {
     const int err = errno;
     ::close(sv[0]);

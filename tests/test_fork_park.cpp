@@ -14,6 +14,7 @@
 #include "broker/fork_park.h"
 #include "router/child.h"
 #include "router/router.h"
+#include "router/zygote.h"
 #include "tests/router_test_util.h"
 
 namespace spindle {
@@ -68,7 +69,7 @@ TEST(ForkPark, EveryOtherBrokersLoopWaitsWhileParked) {
   BusyLoop loop(busy);
   ASSERT_TRUE(loop.runs_past(100, 5s)) << "the busy loop never ran";
   {
-    fork_park::Parked parked = fork_park::park_all(forking, 2s);
+    fork_park::Parked parked = fork_park::park_all(&forking, 2s);
     EXPECT_EQ(parked.count(), 2u) << "both brokers should be parked";
     const std::uint64_t at_park = loop.runs();
     std::this_thread::sleep_for(30ms);
@@ -83,7 +84,7 @@ TEST(ForkPark, AHostedBrokerAndTheCallersOwnLoopAreNotWaitedFor) {
   Broker hosted(app, {});  // its loop is this thread's: never parked, never waited for
   Broker forking;
   const auto t0 = std::chrono::steady_clock::now();
-  fork_park::Parked parked = fork_park::park_all(forking, 2s);
+  fork_park::Parked parked = fork_park::park_all(&forking, 2s);
   EXPECT_EQ(parked.count(), 1u);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "waited for a loop nobody runs";
 }
@@ -108,6 +109,31 @@ TEST(ForkPark, ChildrenForkedWhileAnotherBrokerAllocatesAllStart) {
     ASSERT_TRUE(c.wait_exit(20s).has_value()) << "child " << i << " did not exit";
   }
   EXPECT_GT(loop.runs(), 100u);
+}
+
+// The same for zygotes: each is started while another broker allocates
+// without pause, and the child it clones starts and answers. Every child of
+// a zygote is a copy of it, so a lock held at Zygote::start()'s fork would
+// hang them all.
+TEST(ForkPark, ZygotesStartedWhileAnotherBrokerAllocatesHaveChildrenThatStart) {
+  Broker busy;
+  BusyLoop loop(busy);
+  Broker broker;
+  Router router(broker, root_opts());
+  for (int i = 0; i < 8; ++i) {
+    auto zygote = Zygote::start();
+    Context c = zygote->fork_child(router, [](ChildEnv& env, std::string_view) {
+      Router& r = env.router();
+      r.add_handler([&r](Message&& m) { r.reply(m, std::move(m.data)); }, {}, kEcho);
+      env.serve();
+      return 0;
+    }, "", named("cloned-" + std::to_string(i)));
+    EXPECT_EQ(c.call(kEcho, std::string_view("up"), 20s), "up") << "child of zygote " << i;
+    c.shutdown();
+    ASSERT_TRUE(c.wait_exit(20s).has_value()) << "child of zygote " << i << " did not exit";
+  }
+  EXPECT_GT(loop.runs(), 100u);
+  loop.stop();
 }
 
 }  // namespace test_fork_park
