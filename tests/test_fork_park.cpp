@@ -89,6 +89,21 @@ TEST(ForkPark, AHostedBrokerAndTheCallersOwnLoopAreNotWaitedFor) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "waited for a loop nobody runs";
 }
 
+// A child that echoes kEcho until told to shut down.
+int echo_child(ChildEnv& env) {
+  Router& r = env.router();
+  r.add_handler([&r](Message&& m) { r.reply(m, std::move(m.data)); }, {}, kEcho);
+  env.serve();
+  return 0;
+}
+
+// `c` (an echo_child) answers, then exits when told to.
+void expect_echo_then_exit(Context& c, const std::string& who) {
+  EXPECT_EQ(c.call(kEcho, std::string_view("up"), 20s), "up") << who;
+  c.shutdown();
+  ASSERT_TRUE(c.wait_exit(20s).has_value()) << who << " did not exit";
+}
+
 // Children forked from one router while another broker of the process
 // allocates without pause: each starts and answers (under ASan, without the
 // parking, some hang in their handshake).
@@ -98,15 +113,8 @@ TEST(ForkPark, ChildrenForkedWhileAnotherBrokerAllocatesAllStart) {
   Broker broker;
   Router router(broker, root_opts());
   for (int i = 0; i < 12; ++i) {
-    Context c = fork_child(router, [](ChildEnv& env) {
-      Router& r = env.router();
-      r.add_handler([&r](Message&& m) { r.reply(m, std::move(m.data)); }, {}, kEcho);
-      env.serve();
-      return 0;
-    }, named("forked-" + std::to_string(i)));
-    EXPECT_EQ(c.call(kEcho, std::string_view("up"), 20s), "up") << "child " << i;
-    c.shutdown();
-    ASSERT_TRUE(c.wait_exit(20s).has_value()) << "child " << i << " did not exit";
+    Context c = fork_child(router, echo_child, named("forked-" + std::to_string(i)));
+    ASSERT_NO_FATAL_FAILURE(expect_echo_then_exit(c, "child " + std::to_string(i)));
   }
   EXPECT_GT(loop.runs(), 100u);
 }
@@ -122,18 +130,11 @@ TEST(ForkPark, ZygotesStartedWhileAnotherBrokerAllocatesHaveChildrenThatStart) {
   Router router(broker, root_opts());
   for (int i = 0; i < 8; ++i) {
     auto zygote = Zygote::start();
-    Context c = zygote->fork_child(router, [](ChildEnv& env, std::string_view) {
-      Router& r = env.router();
-      r.add_handler([&r](Message&& m) { r.reply(m, std::move(m.data)); }, {}, kEcho);
-      env.serve();
-      return 0;
-    }, "", named("cloned-" + std::to_string(i)));
-    EXPECT_EQ(c.call(kEcho, std::string_view("up"), 20s), "up") << "child of zygote " << i;
-    c.shutdown();
-    ASSERT_TRUE(c.wait_exit(20s).has_value()) << "child of zygote " << i << " did not exit";
+    Context c = zygote->fork_child(
+        router, [](ChildEnv& env, std::string_view) { return echo_child(env); }, "", named("cloned-" + std::to_string(i)));
+    ASSERT_NO_FATAL_FAILURE(expect_echo_then_exit(c, "child of zygote " + std::to_string(i)));
   }
   EXPECT_GT(loop.runs(), 100u);
-  loop.stop();
 }
 
 }  // namespace test_fork_park
