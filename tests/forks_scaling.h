@@ -29,6 +29,7 @@
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/process.h"
 #include "router/connect.h"
 #include "router/control.h"
 #include "services/builtin.h"
@@ -229,6 +230,8 @@ inline Result run(const Options& o) {
     if (!cv.wait_for(lk, o.guard, [&] { return done; }))
       for (pid_t p : pids) ::kill(p, SIGKILL);
   });
+  std::vector<pid_t> workers = pids;
+  std::sort(workers.begin(), workers.end());
   {
     Coordinator coord(o);
     auto t0 = Clock::now();
@@ -237,12 +240,32 @@ inline Result run(const Options& o) {
       if (::write(release[1], &rel, sizeof rel) != static_cast<ssize_t>(sizeof rel))
         throw Error("cannot release a worker");
     };
+    int released = 0;
     if (o.burst)
-      for (int i = 0; i < o.workers; ++i) release_one();
-    for (int i = 0; i < o.workers; ++i) {
-      if (!o.burst) release_one();
+      for (; released < o.workers; ++released) release_one();
+    // Reaps any child, as a worker released one at a time may be any of
+    // them, but counts only workers: the caller's other children (the
+    // spindle-router, a zygote) are not workers, and one that exits during
+    // the run is an error of the run, named, not a worker's exit.
+    for (int reaped = 0; reaped < o.workers;) {
+      if (!o.burst && reaped == released) {
+        release_one();
+        ++released;
+      }
       int st = 0;
-      if (::waitpid(-1, &st, 0) > 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0)) ++res.failures;
+      pid_t p = ::waitpid(-1, &st, 0);
+      if (p < 0) {
+        if (errno == EINTR) continue;
+        res.errors.push_back(fmt::format("waitpid: {}", errno_text(errno)));  // ECHILD: none left
+        break;
+      }
+      if (!std::binary_search(workers.begin(), workers.end(), p)) {
+        res.errors.push_back(fmt::format("pid {}, not a worker, exited during the run: {}", p,
+                                         describe_wait_status(st)));
+        continue;
+      }
+      ++reaped;
+      if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) ++res.failures;
     }
     res.wall_ms = ms_since(t0);
   }
