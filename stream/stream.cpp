@@ -239,6 +239,17 @@ Stream::~Stream() {
 void Stream::close_fds() {
   if (fds_closed_) return;
   fds_closed_ = true;
+  // The link ends for every process that holds a copy of the socket, not
+  // only for this one: a process forked while the link was open (an
+  // os.fork() or multiprocessing child keeps its parent's Spindle objects
+  // abandoned, fds and all) would otherwise keep the peer from hearing our
+  // EOF until it exited. Closing without a half-close happens whenever a
+  // stream ends before its goodbye (an error, the grace deadline, or the
+  // peer's EOF while an application thread was writing directly), and a
+  // child that stopped in that window waited out its whole grace period.
+  if (is_socket_ && !wr_ && rd_.is_open() && ::shutdown(rd_.native_handle(), SHUT_RDWR) < 0 &&
+      errno != ENOTCONN)
+    log().debug("stream={} shutdown(SHUT_RDWR): {}", name(), errno_text(errno));
   std::error_code ignored;
   rd_.close(ignored);
   if (wr_) wr_->close(ignored);
