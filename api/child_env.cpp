@@ -182,7 +182,10 @@ int Child::stop() noexcept {
   try {
     Router& r = router();
     on_broker = r.broker().on_broker_thread();
-    shutdown();
+    // A child that is gone already (killed, crashed) has no link left to
+    // tell: SHUTDOWN would only be dropped, with a warning about an
+    // undeliverable message, when a program closes after a worker died.
+    if (r.routed_through(id(), id())) shutdown();
   } catch (const std::exception& e) {
     // The runtime is gone (its broker reaped the child) or the link is:
     // the steps below still reap it.

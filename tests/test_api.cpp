@@ -30,6 +30,7 @@
 #include <spindle/spindle.h>
 
 #include "services/client.h"
+#include "tests/router_test_util.h"
 
 namespace test_api {
 
@@ -271,6 +272,35 @@ TEST(ApiChild, StopEndsAServingChildGracefully) {
   EXPECT_EQ(WEXITSTATUS(st), 0);
   EXPECT_EQ(c.stop(), st);  // idempotent
   EXPECT_EQ(::kill(pid, 0), -1);  // reaped: no such process (nor zombie)
+}
+
+// A worker that died (kill -9) before its program closes is stopped without a
+// SHUTDOWN: it has no link left, and the message was dropped with a warning
+// about an undeliverable message at every such close.
+TEST(ApiChild, StoppingAChildThatDiedSendsNothingAndWarnsOfNothing) {
+  spindle::testutil::ScopedLogCapture capture;
+  spindle::Runtime rt;
+  spindle::Child other = rt.fork_child(child_main, {.name = "other"});
+  spindle::Child c = rt.fork_child(child_main, {.name = "doomed"});
+  ASSERT_EQ(c.call(square, 3), 9);
+  ASSERT_EQ(::kill(c.pid(), SIGKILL), 0);
+  // Once a call fails, the router has seen the link go and dropped its route.
+  auto deadline = std::chrono::steady_clock::now() + 20s;
+  bool gone = false;
+  while (!gone && std::chrono::steady_clock::now() < deadline) {
+    try {
+      c.call(square, 3);
+      std::this_thread::sleep_for(5ms);
+    } catch (const spindle::Error&) {
+      gone = true;
+    }
+  }
+  ASSERT_TRUE(gone);
+  int st = c.stop();
+  ASSERT_TRUE(WIFSIGNALED(st)) << st;
+  EXPECT_EQ(WTERMSIG(st), SIGKILL);
+  EXPECT_EQ(other.call(square, 4), 16);  // the broker has run past anything stop() sent
+  EXPECT_EQ(capture.sink().lines_with("undeliverable"), std::vector<std::string>{});
 }
 
 TEST(ApiChild, DestructorKillsAChildThatIgnoresShutdown) {
