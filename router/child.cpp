@@ -169,8 +169,11 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
     adopted->set_value();
   });
   // The broker reaps it when it exits, or at its own end: no zombies.
-  parent.broker().watch_child(proc, [id, name, pid](int status) {
-    log().info("child ctx={} ({}) pid={} {}", id, name, pid, describe_wait_status(status));
+  parent.broker().watch_child(proc, [id, name, pid, link = parent.link()](int status) {
+    const std::string how = describe_wait_status(status);
+    log().info("child ctx={} ({}) pid={} {}", id, name, pid, how);
+    // On the loop, where the router, if alive, outlives this handler.
+    if (link->alive()) link->router->child_exited(id, how);
   });
   routed.wait();
   return Context(parent, id, name, std::move(proc));

@@ -101,6 +101,14 @@ Router::Link& Router::register_link(std::shared_ptr<Stream> s, StreamRole role,
 
 Router::Link* Router::link_of(const Stream& s) { return static_cast<Link*>(s.tag()); }
 
+void Router::child_exited(std::uint32_t id, const std::string& how) {
+  auto it = routes_.find(id);
+  if (it == routes_.end()) return;  // its link has closed already: the usual case
+  Link& l = *it->second;
+  if (l.role != StreamRole::kChild || l.remote_id != id) return;
+  l.stream->peer_exited("the child process ended: " + how);
+}
+
 Router::Link* Router::route_for(std::uint32_t dst) {
   auto it = routes_.find(dst);
   if (it != routes_.end()) return it->second;

@@ -205,6 +205,11 @@ class Router : public StreamListener, public ShutdownParticipant {
   // dropped, if it has none (it left, or lives above this router's parent).
   // Blocks for a broker round trip when called on another thread.
   bool watch_if_routed(std::uint32_t context_id, std::function<void(const std::string&)> fn);
+  // Broker thread: the process of child `id` has exited (`how`: its wait
+  // status in words). A link to it still open (a process the child forked
+  // holds the other end, so no EOF comes) ends once what the child wrote is
+  // read, and what waited on it fails with that reason.
+  void child_exited(std::uint32_t id, const std::string& how);
   std::uint32_t allocate_id();
   // Tests only (router/ is not the public API): the root's next fresh id is
   // at least `next`, so a test can reach the end of the id space. It only

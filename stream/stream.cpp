@@ -24,6 +24,7 @@
 #include "stream/stream.h"
 
 #include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -287,11 +288,15 @@ void Stream::arm_read() {
   const bool waits = !read_armed_ && may_read() && !over_limit();
   rx_.let_go(waits);
   if (!waits) return;
-  read_armed_ = true;
+  if (peer_exited_) {  // nothing more can come: end now, or read what is left first
+    if (input_drained()) return close(std::string(*peer_exited_));
+    return queue_input_turn();
+  }
+  read_armed_ = waiting_input_ = true;
   ++stats_.read_waits;
   rd_.async_wait(asio::posix::descriptor_base::wait_read,
                  [self = shared_from_this()](const std::error_code& ec) {
-                   self->read_armed_ = false;
+                   self->read_armed_ = self->waiting_input_ = false;
                    if (ec == asio::error::operation_aborted || self->state_ == StreamState::kClosed)
                      return;
                    self->broker_.check_loop_thread();
@@ -524,6 +529,23 @@ void Stream::protocol_error(const ParseResult& r) {
   close_after_flush_ = true;
   flush();
   if (state_ != StreamState::kClosed && tx_.empty()) close(close_reason_);
+}
+
+void Stream::peer_exited(const std::string& reason) {
+  if (state_ == StreamState::kClosed || eof_seen_ || peer_exited_) return;
+  peer_exited_ = reason;
+  // A stream waiting for input with none left would wait forever. One with
+  // input left, a turn queued, or reading paused comes back to arm_read().
+  if (waiting_input_ && input_drained()) close(reason);
+}
+
+bool Stream::input_drained() {
+  int n = 0;
+  if (::ioctl(rd_.native_handle(), FIONREAD, &n) < 0) {
+    log().debug("stream={} FIONREAD: {}", name(), errno_text(errno));
+    return true;  // cannot tell: ending is better than waiting forever
+  }
+  return n == 0;
 }
 
 void Stream::on_eof() {

@@ -207,6 +207,12 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   // the handshake completes first and what was held behind it is sent.
   void drain();
   void close(const std::string& reason);
+  // The process at the other end has exited (its parent reaped it): nothing
+  // more can come from it, however many processes still hold a copy of its
+  // end (one it forked keeps it open, and so no EOF comes). What it wrote
+  // before is read and delivered as usual; where the stream would next wait
+  // for input, it closes with `reason` instead.
+  void peer_exited(const std::string& reason);
 
   StreamState state() const { return state_; }
   bool is_open() const { return state_ == StreamState::kOpen; }
@@ -413,6 +419,9 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   bool close_after_flush_ = false;  // protocol error: stop reading, flush, close
   bool fds_closed_ = false;
   std::string close_reason_;
+  std::optional<std::string> peer_exited_;  // peer_exited(): why the next wait closes instead
+  bool waiting_input_ = false;              // an async_wait for input is pending
+  bool input_drained();                     // the peer's end holds nothing more for us to read
   StreamStats stats_;
   void* tag_ = nullptr;
 };

@@ -303,6 +303,42 @@ TEST(ApiChild, StoppingAChildThatDiedSendsNothingAndWarnsOfNothing) {
   EXPECT_EQ(capture.sink().lines_with("undeliverable"), std::vector<std::string>{});
 }
 
+// A child killed while a process it forked holds its end of the link (a
+// multiprocessing worker, a daemon it started) sends no EOF: the copy keeps
+// the socket open. Its parent learns of the death from the child's pidfd
+// and fails the pending calls at once, naming how it ended; before, they
+// waited for their timeout, and the child's route stayed.
+TEST(ApiChild, AKilledChildWhoseForkHoldsItsLinkFailsItsCallsAtOnce) {
+  spindle::Runtime rt;
+  static constexpr spindle::method<long()> holder_pid{"holder_pid"};
+  spindle::Child c = rt.fork_child([](spindle::ChildEnv& env) {
+    const pid_t holder = ::fork();  // keeps a copy of every fd, the link's too
+    if (holder == 0) {
+      ::alarm(60);
+      for (;;) ::pause();
+    }
+    env.expose(holder_pid, [holder] { return static_cast<long>(holder); });
+    env.expose(nap, [](long ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
+    return env.serve();
+  });
+  const long holder = c.call(holder_pid);
+  ASSERT_GT(holder, 0);
+  std::future<void> pending = c.with_timeout(60s).call_async(nap, 30000L);
+  ASSERT_EQ(pending.wait_for(100ms), std::future_status::timeout);
+  ASSERT_EQ(::kill(c.pid(), SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(pending.wait_for(10s), std::future_status::ready) << "the call still waits for the dead child";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  try {
+    pending.get();
+    ADD_FAILURE() << "the call to a killed child returned";
+  } catch (const spindle::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("killed by signal 9"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(c.call(square, 2L), spindle::Error);  // its route is gone
+  ::kill(static_cast<pid_t>(holder), SIGKILL);
+}
+
 TEST(ApiChild, DestructorKillsAChildThatIgnoresShutdown) {
   spindle::Runtime rt;
   pid_t pid;

@@ -474,5 +474,33 @@ TEST(StreamEnd, ThePeerHearsTheEndWhileAForkedProcessHoldsACopyOfTheSocket) {
   ::close(sv[1]);
 }
 
+// The process at the other end has exited, but no EOF comes (here the test
+// holds the peer's end, as a process the peer forked would): what it wrote
+// before is still delivered, in order, and then the stream ends with the
+// reason it was given, at once when nothing is left to read.
+TEST(StreamEnd, APeerThatExitedIsReadToTheEndThenClosedWithTheReason) {
+  Recorder with_input, without;
+  StreamHarness h;
+  FdPair a = make_socketpair(), b = make_socketpair();
+  Stream* sa = h.make(a.a, a.a, &with_input);
+  Stream* sb = h.make(b.a, b.a, &without);
+  h.on([&] {  // on the loop: the stream cannot read between the writes and the news
+    for (int i = 0; i < 3; ++i) {
+      auto bytes = frame_bytes(static_cast<std::uint32_t>(1000 + i), "before exit " + std::to_string(i));
+      ASSERT_EQ(::write(a.b, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+    }
+    sa->peer_exited("the peer's process ended");
+    sb->peer_exited("the peer's process ended too");
+  });
+  ASSERT_TRUE(with_input.wait_closed());
+  EXPECT_EQ(with_input.close_reason(), "the peer's process ended");
+  ASSERT_EQ(with_input.message_count(), 3u) << "what the peer wrote before it exited was lost";
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(with_input.messages[static_cast<std::size_t>(i)].text(), "before exit " + std::to_string(i));
+  ASSERT_TRUE(without.wait_closed());
+  EXPECT_EQ(without.close_reason(), "the peer's process ended too");
+  ::close(a.b);
+  ::close(b.b);
+}
+
 }  // namespace test_robustness
 }  // namespace spindle

@@ -95,3 +95,23 @@ def test_a_parent_killed_mid_transfer_leaves_nothing():
             proc.kill()
         proc.wait()
     assert shm_entries() == before_shm
+
+
+def test_a_killed_child_whose_fork_holds_its_link_fails_its_calls_at_once(router):
+    """A worker that forked (multiprocessing, a daemon) is killed: its fork
+    still holds the worker's end of the link, so no EOF comes. The parent
+    learns of the death from the worker's pidfd and fails what waited on it
+    at once, naming the signal; before, the call waited for its timeout."""
+    child = router.fork(name="forker")
+    holder = child.call(pyfuncs.fork_holder)
+    try:
+        pending = child.with_timeout(60).call_async(pyfuncs.slow, 30, "late")
+        time.sleep(0.1)
+        t = time.monotonic()
+        os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(spindle.ChannelError, match="killed by signal 9"):
+            pending.result(timeout=10)
+        assert time.monotonic() - t < 5
+        assert os.WTERMSIG(child.stop()) == signal.SIGKILL
+    finally:
+        os.kill(holder, signal.SIGKILL)
