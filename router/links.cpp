@@ -101,14 +101,6 @@ Router::Link& Router::register_link(std::shared_ptr<Stream> s, StreamRole role,
 
 Router::Link* Router::link_of(const Stream& s) { return static_cast<Link*>(s.tag()); }
 
-void Router::child_exited(std::uint32_t id, const std::string& how) {
-  auto it = routes_.find(id);
-  if (it == routes_.end()) return;  // its link has closed already: the usual case
-  Link& l = *it->second;
-  if (l.role != StreamRole::kChild || l.remote_id != id) return;
-  l.stream->peer_exited("the child process ended: " + how);
-}
-
 Router::Link* Router::route_for(std::uint32_t dst) {
   auto it = routes_.find(dst);
   if (it != routes_.end()) return it->second;
@@ -170,6 +162,7 @@ void Router::on_stream_open(Stream& s) {
     parent_up_.store(true, std::memory_order_release);
     set_log_context(p.local_id, opts_.name);
     log().info("stream={} attached to parent ctx={} pid={}", s.name(), p.remote_id, p.pid);
+    watch_parent_process(static_cast<pid_t>(p.pid));
     // Announce the children that connected before the parent link opened,
     // and tell them who is above them now.
     for (auto& [sp, link] : links_)

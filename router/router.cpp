@@ -90,6 +90,10 @@ Router::~Router() {
   std::vector<std::shared_ptr<Stream>> streams;
   for (auto& [s, link] : links_) streams.push_back(link->stream);
   for (auto& s : streams) s->close(std::string(reason::kShuttingDown));
+  if (parent_watch_) {
+    std::error_code ignored;
+    parent_watch_->close(ignored);
+  }
   auto why = std::make_exception_ptr(ChannelError(std::string(reason::kShuttingDown)));
   calls_.fail_where([](std::uint32_t) { return true; }, [&](std::uint32_t) { return why; });
   broker_.remove_participant(this);

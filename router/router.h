@@ -32,6 +32,8 @@
 // Destroying a Router shuts its broker down and joins it first.
 #pragma once
 
+#include <sys/types.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -210,6 +212,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   // holds the other end, so no EOF comes) ends once what the child wrote is
   // read, and what waited on it fails with that reason.
   void child_exited(std::uint32_t id, const std::string& how);
+  // Broker thread: this context's parent process has exited; the parent link
+  // ends as a child's does in child_exited().
+  void parent_exited();
   std::uint32_t allocate_id();
   // Tests only (router/ is not the public API): the root's next fresh id is
   // at least `next`, so a test can reach the end of the id space. It only
@@ -468,6 +473,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   void prepare_fds_for_send(Message& msg);
   bool charge_fds(Link& in, Message& m);
   bool map_sealed_body(Message& m);
+  // peer_exit.cpp: when the parent link's peer is our parent process, its
+  // exit is watched with a pidfd (parent_exited()).
+  void watch_parent_process(pid_t pid);
 
   Broker& broker_;
   RouterOptions opts_;
@@ -508,6 +516,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   // For each context, the links that sent to it: told when it goes (DEL_ROUTE).
   std::unordered_map<std::uint32_t, std::unordered_set<Link*>> talkers_;
   Link* parent_ = nullptr;
+  std::shared_ptr<asio::posix::stream_descriptor> parent_watch_;  // the parent's pidfd, broker thread
   std::vector<std::shared_ptr<Stream>> dirty_;
   int batch_depth_ = 0;
   bool chunk_flush_queued_ = false;  // a flush_pass() posted behind the chunk of turns under way

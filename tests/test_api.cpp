@@ -2,7 +2,9 @@
 // typed calls to a forked child in every form, errors in every form, the
 // access rule, where exposed functions run, Context and Child lifetimes, and
 // the msgpack input check against hostile sizes.
+#include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,6 +32,7 @@
 #include <spindle/spindle.h>
 
 #include "services/client.h"
+#include "tests/process_util.h"
 #include "tests/router_test_util.h"
 
 namespace test_api {
@@ -337,6 +340,41 @@ TEST(ApiChild, AKilledChildWhoseForkHoldsItsLinkFailsItsCallsAtOnce) {
   }
   EXPECT_THROW(c.call(square, 2L), spindle::Error);  // its route is gone
   ::kill(static_cast<pid_t>(holder), SIGKILL);
+}
+
+// The other way round: a parent killed with -9 while a process it forked
+// holds its end of a child's link. The child learns of it from its parent's
+// pidfd and ends; before, it served on for as long as that fork lived.
+TEST(ApiChild, AChildOutlivesNoParentWhoseForkHoldsItsLink) {
+  spindle::testutil::TempDir dir;
+  const std::string out = dir.path() + "/pids";
+  pid_t parent = ::fork();
+  ASSERT_GE(parent, 0);
+  if (parent == 0) {
+    ::execl(SPINDLE_HELPER_DIR "/forked_parent", "forked_parent", out.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int child = 0, holder = 0;
+  auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (std::FILE* f = std::fopen(out.c_str(), "re")) {
+      const int got = std::fscanf(f, "%d %d", &child, &holder);
+      std::fclose(f);
+      if (got == 2) break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_GT(child, 0);
+  ASSERT_GT(holder, 0);
+  const int child_fd = static_cast<int>(::syscall(SYS_pidfd_open, child, 0));
+  ASSERT_GE(child_fd, 0);
+  ASSERT_EQ(::kill(parent, SIGKILL), 0);
+  ASSERT_EQ(::waitpid(parent, nullptr, 0), parent);
+  pollfd p{child_fd, POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 10000), 1) << "the child still runs with its parent gone";
+  ::kill(child, SIGKILL);
+  ::kill(holder, SIGKILL);
+  ::close(child_fd);
 }
 
 TEST(ApiChild, DestructorKillsAChildThatIgnoresShutdown) {
