@@ -115,3 +115,43 @@ def test_a_killed_child_whose_fork_holds_its_link_fails_its_calls_at_once(router
         assert os.WTERMSIG(child.stop()) == signal.SIGKILL
     finally:
         os.kill(holder, signal.SIGKILL)
+
+
+HOLDING_PARENT = textwrap.dedent("""
+    import os, signal, sys, spindle, pyfuncs
+    router = spindle.Router()
+    child = router.fork(name="orphan")
+    assert child.call(pyfuncs.square, 3) == 9
+    holder = os.fork()  # a multiprocessing worker would: it holds the child's link too
+    if holder == 0:
+        signal.alarm(60)
+        while True:
+            signal.pause()
+    print(child.pid, holder, flush=True)
+    sys.stdin.read()  # killed here
+""")
+
+
+def test_a_child_ends_when_its_parent_is_killed_while_a_fork_of_the_parent_holds_its_link():
+    """No EOF comes (the parent's fork holds its end of the link): the child
+    learns of its parent's death from the parent's pidfd."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDING_PARENT], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    child_pid = holder = 0
+    try:
+        child_pid, holder = map(int, proc.stdout.readline().split())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert wait_until(lambda: not os.path.exists(f"/proc/{child_pid}")
+                          or open(f"/proc/{child_pid}/stat").read().split()[2] == "Z", 10), \
+            "the orphaned child is still running"
+    finally:
+        for pid in (child_pid, holder):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
