@@ -31,6 +31,15 @@ def fd_count():
     return len(os.listdir("/proc/self/fd"))
 
 
+def exited(pid):
+    """Whether `pid` has exited: gone, or a zombie that nobody reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def wait_until(predicate, seconds):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -87,9 +96,7 @@ def test_a_parent_killed_mid_transfer_leaves_nothing():
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         # The child loses its parent (EOF on its link) and exits by itself.
-        assert wait_until(lambda: not os.path.exists(f"/proc/{child_pid}")
-                          or open(f"/proc/{child_pid}/stat").read().split()[2] == "Z", 30), \
-            "the orphaned child is still running"
+        assert wait_until(lambda: exited(child_pid), 30), "the orphaned child is still running"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -142,9 +149,7 @@ def test_a_child_ends_when_its_parent_is_killed_while_a_fork_of_the_parent_holds
         child_pid, holder = map(int, proc.stdout.readline().split())
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        assert wait_until(lambda: not os.path.exists(f"/proc/{child_pid}")
-                          or open(f"/proc/{child_pid}/stat").read().split()[2] == "Z", 10), \
-            "the orphaned child is still running"
+        assert wait_until(lambda: exited(child_pid), 10), "the orphaned child is still running"
     finally:
         for pid in (child_pid, holder):
             if pid:
