@@ -355,10 +355,9 @@ TEST_F(Ssh, TwoContextsShareOneControlMaster) {
   EXPECT_EQ(std::system(exit_master.c_str()), 0);
 }
 
-TEST_F(Ssh, KillingSshFailsThePendingCallAtOnce) {
-  spindle::SshOptions o = options();
-  o.agent = kTestAgent;
-  spindle::Child box = start(o);
+// Kills the ssh of a context that is serving a long call: the call fails at
+// once, with ssh's status.
+void expect_killing_ssh_fails_the_pending_call(spindle::Child box) {
   auto ctx = box.with_timeout(30s);
   ASSERT_EQ(ctx.call(sleep_ms, 1L), 1);  // the agent serves
   // The agent logs the line below as the call starts: then it is running.
@@ -389,6 +388,26 @@ TEST_F(Ssh, KillingSshFailsThePendingCallAtOnce) {
   auto t1 = Clock::now();
   EXPECT_THROW(ctx.call(sleep_ms, 1L), spindle::Error);
   EXPECT_LT(seconds_since(t1), 2.0);
+}
+
+TEST_F(Ssh, KillingSshFailsThePendingCallAtOnce) {
+  spindle::SshOptions o = options();
+  o.agent = kTestAgent;
+  expect_killing_ssh_fails_the_pending_call(start(o));
+}
+
+// Through a ControlMaster, the ssh we start hands its stdin and stdout to the
+// master process. Killing that ssh still fails the call at once: the master
+// drops them when its client goes (OpenSSH 9.2, checked before ssh's pidfd
+// ended links), and ssh's pidfd would end the link if it kept them.
+TEST_F(Ssh, KillingSshFailsThePendingCallAtOnceThroughAControlMaster) {
+  spindle::SshOptions o = options();
+  o.agent = kTestAgent;
+  o.control_path = sshd_->dir() + "/master.sock";
+  expect_killing_ssh_fails_the_pending_call(start(o));
+  const std::string exit_master = fmt::format("ssh -F /dev/null -o ControlPath={} -O exit 127.0.0.1 2>/dev/null",
+                                              o.control_path);
+  EXPECT_EQ(std::system(exit_master.c_str()), 0);
 }
 
 TEST_F(Ssh, TwoHops) {
