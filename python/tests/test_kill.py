@@ -113,7 +113,6 @@ def test_a_killed_child_whose_fork_holds_its_link_fails_its_calls_at_once(router
     holder = child.call(pyfuncs.fork_holder)
     try:
         pending = child.with_timeout(60).call_async(pyfuncs.slow, 30, "late")
-        time.sleep(0.1)
         t = time.monotonic()
         os.kill(child.pid, signal.SIGKILL)
         with pytest.raises(spindle.ChannelError, match="killed by signal 9"):
