@@ -1,4 +1,4 @@
-// Every operation takes the router link shared for its whole length (see
+// Every operation is inside the router link's gate for its whole length (see
 // router/router_link.h): a destroyed runtime is a ShutdownError, never a
 // dangling Router*. Typed calls are CALL_SERVICE requests whose envelope
 // carries the msgpack flag; the name splits at its last dot into service and
@@ -6,7 +6,6 @@
 #include "spindle/context.h"
 
 #include <mutex>
-#include <shared_mutex>
 
 #include <fmt/format.h>
 
@@ -22,10 +21,9 @@ namespace {
 template <class Fn>
 decltype(auto) with_router(const std::shared_ptr<detail::RouterLink>& link, std::uint32_t id, Fn&& fn) {
   if (!link) throw ShutdownError(fmt::format("context {}: this Context refers to no runtime", id));
-  std::shared_lock lk(link->mu);
-  if (!link->router)
-    throw ShutdownError(fmt::format("context {}: its runtime has been destroyed", id));
-  return fn(*link->router);
+  SectionGate::Scope inside(link->gate);
+  if (!inside) throw ShutdownError(fmt::format("context {}: its runtime has been destroyed", id));
+  return fn(*link->router.load(std::memory_order_relaxed));
 }
 
 Message typed_request(std::uint32_t dst, std::string_view name, Payload args) {

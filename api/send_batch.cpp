@@ -6,9 +6,6 @@
 // gathering without a wake-up.
 #include "spindle/send_batch.h"
 
-#include <mutex>
-#include <shared_mutex>
-
 #include <fmt/format.h>
 
 #include "router/router.h"
@@ -17,8 +14,8 @@ namespace spindle {
 
 SendBatch::SendBatch(const Context& through) : link_(through.link_) {
   if (!link_) throw ShutdownError("SendBatch: the Context refers to no runtime");
-  std::shared_lock lk(link_->mu);
-  if (!link_->router)
+  SectionGate::Scope inside(link_->gate);
+  if (!inside)
     throw ShutdownError(fmt::format("SendBatch: the runtime of context {} has been destroyed", through.id()));
   Router::GatherMarks marks = Router::gather_sends(link_.get());
   mine_ = std::move(marks.mine);
@@ -27,8 +24,8 @@ SendBatch::SendBatch(const Context& through) : link_(through.link_) {
 
 SendBatch::~SendBatch() {
   if (Router::end_gather({std::move(mine_), std::move(previous_)})) return;  // the outer one hands over
-  std::shared_lock lk(link_->mu);
-  if (link_->router) link_->router->hand_over_sends();
+  SectionGate::Scope inside(link_->gate);
+  if (inside) link_->router.load(std::memory_order_relaxed)->hand_over_sends();
 }
 
 }  // namespace spindle

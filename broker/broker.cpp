@@ -4,9 +4,9 @@
 // function queued after the drain began writes a fresh wake-up and is never
 // stranded. No producer takes a lock.
 //
-// Finishing sets closed_ and then waits until no producer is between its
-// closed_ check and its push (producers_), so every defer() either lands in a
-// batch that runs or sees closed_ and throws.
+// Finishing closes producers_ (a SectionGate) and then waits until no
+// producer is inside it, between its check and its push, so every defer()
+// either lands in a batch that runs or is refused and throws.
 #include "broker/broker.h"
 
 #include <fcntl.h>
@@ -134,24 +134,16 @@ void Broker::run() {
   finish();
 }
 
-bool Broker::enter_producer() {
-  producers_.fetch_add(1);
-  if (closed_.load()) {
-    producers_.fetch_sub(1);
-    return false;
-  }
-  return true;
-}
-
 bool Broker::push_task(std::function<void()> fn) {
-  if (!enter_producer()) return false;
-  auto* t = new Task{std::move(fn)};
-  if (!tasks_.push(t)) {  // out of memory for a node
-    delete t;
-    producers_.fetch_sub(1);
-    throw std::bad_alloc();
+  {
+    ProducerGuard producing(*this);
+    if (!producing) return false;
+    auto* t = new Task{std::move(fn)};
+    if (!tasks_.push(t)) {  // out of memory for a node
+      delete t;
+      throw std::bad_alloc();
+    }
   }
-  producers_.fetch_sub(1);
   deferred_count_.fetch_add(1, std::memory_order_relaxed);
   wake();
   return true;
@@ -585,9 +577,9 @@ void Broker::maybe_finish() {
 // accepted so far (and the wake sinks, whose queues may hold work too), then
 // refuses all later ones.
 void Broker::finish() {
-  closed_.store(true);
+  producers_.close();
   // A producer may be waiting for room in a sink's queue: keep draining.
-  while (producers_.load() != 0) {
+  while (!producers_.empty()) {
     run_sinks();
     std::this_thread::yield();
   }

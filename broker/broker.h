@@ -75,6 +75,7 @@
 
 #include "broker/fd_registry.h"
 #include "broker/input_turns.h"
+#include "broker/section_gate.h"
 
 #include <asio/io_context.hpp>
 #include <asio/posix/stream_descriptor.hpp>
@@ -152,17 +153,11 @@ class Broker {
   // stranded. False (and nothing held) once the broker has finished.
   class ProducerGuard {
    public:
-    explicit ProducerGuard(Broker& b) : b_(b), ok_(b.enter_producer()) {}
-    ~ProducerGuard() {
-      if (ok_) b_.producers_.fetch_sub(1);
-    }
-    ProducerGuard(const ProducerGuard&) = delete;
-    ProducerGuard& operator=(const ProducerGuard&) = delete;
-    explicit operator bool() const { return ok_; }
+    explicit ProducerGuard(Broker& b) : scope_(b.producers_) {}
+    explicit operator bool() const { return static_cast<bool>(scope_); }
 
    private:
-    Broker& b_;
-    bool ok_;
+    SectionGate::Scope scope_;
   };
   // Reaps `child` when it exits (its pidfd is watched), then calls on_exit
   // with the wait status on the broker thread. Children still running when
@@ -273,7 +268,6 @@ class Broker {
   void bind_thread();
   void unblock_sigpipe();  // ~Broker, hosted: undoes what bind_thread() did to this thread
   void end_loop();
-  bool enter_producer();
   bool push_task(std::function<void()> fn);
   void arm_waker();
   void on_waker();
@@ -341,12 +335,11 @@ class Broker {
   // The own thread sleeps until the leading caller leaves (a long lead).
   std::atomic<bool> awaiting_release_{false};
 
-  // The defer queue: producers announce themselves in producers_ before they
-  // check closed_, so finish() can wait until none is half-way through a push
+  // The defer queue: producers enter producers_ before they push, so
+  // finish() can close it and wait until none is half-way through a push
   // before it takes the last batch: every accepted function runs.
   boost::lockfree::queue<Task*> tasks_{128};
-  std::atomic<int> producers_{0};
-  std::atomic<bool> closed_{false};
+  SectionGate producers_;
   std::atomic<bool> wake_pending_{false};
   int wake_fd_ = -1;  // eventfd
   asio::posix::stream_descriptor waker_;

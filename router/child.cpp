@@ -173,7 +173,7 @@ Context adopt_child(Router& parent, int read_fd, int write_fd, std::uint32_t id,
     const std::string how = describe_wait_status(status);
     log().info("child ctx={} ({}) pid={} {}", id, name, pid, how);
     // On the loop, where the router, if alive, outlives this handler.
-    if (link->alive()) link->router->child_exited(id, how);
+    if (link->alive()) link->router.load(std::memory_order_relaxed)->child_exited(id, how);
   });
   routed.wait();
   return Context(parent, id, name, std::move(proc));

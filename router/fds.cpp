@@ -53,7 +53,7 @@ void Router::prepare_fds_for_send(Message& msg) {
     return;
   // A link that cannot carry the memfd (a pipe, an ssh session, a Mitogen
   // peer): the bytes would be copied into it only to be written inline again.
-  if (PortRef p = port_for(msg.header.dst_id); p.port && !p.port->peer_takes_fds.load(std::memory_order_acquire))
+  if (PortView p = port_for(msg.header.dst_id); p.port && !p.port->peer_takes_fds.load(std::memory_order_acquire))
     return;
   // At most one copy into the memfd on the caller's thread (none for bytes
   // that already sit in a received memfd), then a view of it: the size (and

@@ -60,7 +60,7 @@ void Router::watch_parent_process(pid_t pid) {
   parent_watch_->async_wait(asio::posix::descriptor_base::wait_read,
                             [watch = parent_watch_, link = link_](const std::error_code& ec) {
                               if (ec == asio::error::operation_aborted || !link->alive()) return;
-                              link->router->parent_exited();
+                              link->router.load(std::memory_order_relaxed)->parent_exited();
                             });
 }
 

@@ -61,7 +61,7 @@ Router::Router(Broker& broker, RouterOptions opts)
       call_timer_(broker.io()) {
   if (opts_.max_message_size == 0) throw Error("max_message_size must be at least 1 byte");
   relief_->broker = &broker_;
-  link_->router = this;
+  link_->router.store(this, std::memory_order_release);
   relief_->resume = [this] {
     for (auto& [s, l] : links_) l->stream->resume_reading();
   };
@@ -97,10 +97,10 @@ Router::~Router() {
   auto why = std::make_exception_ptr(ChannelError(std::string(reason::kShuttingDown)));
   calls_.fail_where([](std::uint32_t) { return true; }, [&](std::uint32_t) { return why; });
   broker_.remove_participant(this);
-  // Last: a Context inside an operation holds the link shared; it finds the
-  // broker stopped and its call failed, and lets go.
-  std::unique_lock lk(link_->mu);
-  link_->router = nullptr;
+  // Last: a Context inside an operation is inside the link's gate; it finds
+  // the broker stopped and its call failed, and leaves.
+  link_->gate.close_and_wait();
+  link_->router.store(nullptr, std::memory_order_release);
 }
 
 std::optional<std::uint32_t> Router::parent_id() const {

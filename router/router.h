@@ -347,6 +347,13 @@ class Router : public StreamListener, public ShutdownParticipant {
     std::shared_ptr<StreamPort> port;
     std::uint64_t serial = 0;
   };
+  // The same, borrowed from the calling thread's route cache (send.cpp),
+  // which owns the port: valid until this thread's next port_for(). A send
+  // looks its destination up once, and no reference count is touched.
+  struct PortView {
+    StreamPort* port = nullptr;
+    std::uint64_t serial = 0;
+  };
   // Output corked for the duration of a batch, flushed at its end, also when
   // a handler throws out of it.
   class BatchScope {
@@ -367,7 +374,7 @@ class Router : public StreamListener, public ShutdownParticipant {
               std::chrono::milliseconds timeout, bool wait, std::uint32_t async_slot = 0,
               bool reply = false, bool one_way = false);
   bool deliver_here(Header& h, std::span<const std::uint8_t> bytes, Message* msg);
-  PortRef port_for(std::uint32_t dst);
+  PortView port_for(std::uint32_t dst);
   PortRef port_locked(std::uint32_t dst) const;  // under ports_mu_: the port, uncached
   void drain_outbox();
   void route_local_origin(OutboxRecord& rec, std::span<const std::uint8_t> bytes, Message* msg);

@@ -1,8 +1,12 @@
 // Sending from an application thread. In steady state a send takes no lock,
-// allocates nothing and wakes nobody per message:
+// allocates nothing and wakes nobody per message, and its only atomic
+// read-modify-writes are the gauge's charge and the outbox's reservation:
+//  0. it is inside the runtime's link gate and the broker's producer gate
+//     (broker/section_gate.h: a plain store each way);
 //  1. the destination's StreamPort comes from a small per-thread cache,
-//     checked against the router's route epoch (one atomic load); only a
-//     miss (a route changed) takes ports_mu_;
+//     checked against the router's route epoch (one atomic load) and
+//     borrowed from it without touching its reference count; only a miss
+//     (a route changed) takes ports_mu_;
 //  2. the frame's bytes, and its fds (kFdCharge each), are charged to the
 //     port's gauge (one CAS), waiting there only when the destination is
 //     over its high-water mark;
@@ -73,17 +77,18 @@ bool Router::end_gather(GatherMarks marks) {
   return previous && previous->link == mine->link && previous->open.load();
 }
 
-Router::PortRef Router::port_for(std::uint32_t dst) {
+Router::PortView Router::port_for(std::uint32_t dst) {
   const std::uint64_t epoch = route_epoch_.load(std::memory_order_acquire);
   CachedRoute& c = t_routes[dst % kRouteCacheSize];
-  if (c.router == serial_ && c.epoch == epoch && c.dst == dst) return PortRef{c.port, c.serial};
-  PortRef p;
-  {
-    std::lock_guard lk(ports_mu_);
-    p = port_locked(dst);
+  if (c.router != serial_ || c.epoch != epoch || c.dst != dst) {
+    PortRef p;
+    {
+      std::lock_guard lk(ports_mu_);
+      p = port_locked(dst);
+    }
+    c = CachedRoute{serial_, epoch, dst, std::move(p.port), p.serial};
   }
-  c = CachedRoute{serial_, epoch, dst, p.port, p.serial};
-  return p;
+  return PortView{c.port.get(), c.serial};
 }
 
 // What no link announced goes to the parent (if any).
@@ -155,7 +160,7 @@ void Router::submit(Header h, std::span<const std::uint8_t> bytes, Message* msg,
   }
 
   const bool plain = !msg || (msg->fds.empty() && !msg->sealed_body && !msg->data.memfd_span().memfd);
-  PortRef port = h.dst_id == id() ? PortRef{} : port_for(h.dst_id);
+  const PortView port = h.dst_id == id() ? PortView{} : port_for(h.dst_id);
   const std::size_t charge = kHeaderSize + size + (msg ? fd_charge(msg->fds.size()) : 0);
   if (port.port) {
     // The link's peer takes no more (its welcome said so): refused here, not

@@ -1,0 +1,183 @@
+// A thread's mark is one word per section it is inside: the gate's address,
+// 0 when the entry is free. The entries of its slot are a stack (sections
+// nest), so enter() and leave() are a store of one word each; only the
+// closer reads other threads' slots, and only while it closes.
+//
+// The order that makes close() safe, in each mode:
+//  - asymmetric: a thread stores its mark, then (compiler barrier only)
+//    loads closed_; the closer stores closed_, then runs membarrier, then
+//    reads the marks. The kernel runs a full barrier on every CPU running a
+//    thread of ours between the closer's store and its reads (a thread that
+//    is not running passed one when it was switched out), so a thread's
+//    mark is either visible to the closer's scan or stored after that
+//    barrier, and then its load of closed_ comes later still and sees true.
+//  - fences: the same, with a seq_cst fence on both sides (Dekker).
+// leave() stores with release and the closer's scan loads with acquire, so
+// everything a thread did inside happens before the closer goes on.
+#include "broker/section_gate.h"
+
+#include <linux/membarrier.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <functional>
+#include <thread>
+
+#include "broker/errors.h"
+#include "broker/log.h"
+
+namespace spindle {
+namespace {
+
+constexpr int kGateNested = 7;
+constexpr std::size_t kGateSlots = 1024;
+
+struct alignas(64) GateSlot {
+  std::atomic<std::uintptr_t> entry[kGateNested];
+  std::atomic<bool> owned;
+};
+static_assert(sizeof(GateSlot) == 64, "a slot is one cache line");
+
+GateSlot g_gate_slots[kGateSlots];
+
+long gate_membarrier(int cmd) { return ::syscall(SYS_membarrier, cmd, 0, 0); }
+
+bool register_gate_membarrier() {
+  if (const char* off = std::getenv("SPINDLE_NO_MEMBARRIER"); off && *off && *off != '0') return false;
+  const long cmds = gate_membarrier(MEMBARRIER_CMD_QUERY);
+  if (cmds < 0 || !(cmds & MEMBARRIER_CMD_PRIVATE_EXPEDITED)) return false;
+  return gate_membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0;
+}
+
+// The calling thread's slot; null while it has none (the table was full,
+// or the thread is exiting). Plain thread-locals, read on every enter();
+// GateSlotReturn gives the slot back when the thread exits.
+thread_local GateSlot* t_gate_slot = nullptr;
+thread_local bool t_gate_tried = false;
+thread_local int t_gate_top = 0;  // entries of t_gate_slot in use, from the first
+struct GateSlotReturn {
+  ~GateSlotReturn() {
+    if (!t_gate_slot) return;
+    for (auto& e : t_gate_slot->entry) e.store(0, std::memory_order_relaxed);
+    t_gate_slot->owned.store(false, std::memory_order_release);
+    t_gate_slot = nullptr;
+    t_gate_top = 0;
+  }
+};
+thread_local GateSlotReturn t_gate_return;
+
+GateSlot* claim_gate_slot() {
+  t_gate_tried = true;
+  (void)&t_gate_return;  // constructed now, so that its destructor runs at the thread's exit
+  const std::size_t start = std::hash<std::thread::id>{}(std::this_thread::get_id()) % kGateSlots;
+  for (std::size_t i = 0; i < kGateSlots; ++i) {
+    GateSlot& s = g_gate_slots[(start + i) % kGateSlots];
+    bool expect = false;
+    if (!s.owned.load(std::memory_order_relaxed) &&
+        s.owned.compare_exchange_strong(expect, true, std::memory_order_acquire))
+      return t_gate_slot = &s;
+  }
+  return nullptr;
+}
+
+GateSlot* my_gate_slot() {
+  if (t_gate_slot) return t_gate_slot;
+  return t_gate_tried ? nullptr : claim_gate_slot();
+}
+
+// In a forked child the other threads are gone, and with them any section
+// they were in.
+void clear_other_gate_slots_in_child() {
+  for (GateSlot& s : g_gate_slots) {
+    if (&s == t_gate_slot) continue;
+    for (auto& e : s.entry) e.store(0, std::memory_order_relaxed);
+    s.owned.store(false, std::memory_order_relaxed);
+  }
+}
+
+struct GateMode {
+  bool asymmetric;
+  GateMode() : asymmetric(register_gate_membarrier()) {
+    if (int rc = ::pthread_atfork(nullptr, nullptr, clear_other_gate_slots_in_child); rc != 0)
+      throw Error(std::string("pthread_atfork: ") + errno_text(rc));
+  }
+};
+const GateMode g_gate_mode;
+
+inline void gate_enter_barrier() {
+  if (g_gate_mode.asymmetric) std::atomic_signal_fence(std::memory_order_seq_cst);
+  else std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+// The closer's side of the barrier (see the top of the file).
+void gate_close_barrier() {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!g_gate_mode.asymmetric) return;
+  if (gate_membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return;
+  // Registration is inherited across fork and redone by every exec's
+  // static initialisation; should it still be missing, register again.
+  const int err = errno;
+  if (err == EPERM && gate_membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0 &&
+      gate_membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0)
+    return;
+  log().error("section gate: membarrier failed ({}): a thread entering now may be missed", errno_text(err));
+}
+
+}  // namespace
+
+bool SectionGate::asymmetric() noexcept { return g_gate_mode.asymmetric; }
+
+SectionGate::Ticket SectionGate::enter() noexcept {
+  GateSlot* s = my_gate_slot();
+  Ticket t = kShared;
+  if (s && t_gate_top < kGateNested) {
+    t = t_gate_top++;
+    s->entry[t].store(reinterpret_cast<std::uintptr_t>(this), std::memory_order_relaxed);
+    gate_enter_barrier();
+  } else {
+    shared_.fetch_add(1, std::memory_order_seq_cst);
+  }
+  if (!closed_.load(std::memory_order_acquire)) return t;
+  leave(t);
+  return kRefused;
+}
+
+void SectionGate::leave(Ticket t) noexcept {
+  if (t == kShared) {
+    shared_.fetch_sub(1, std::memory_order_release);
+    return;
+  }
+  t_gate_slot->entry[t].store(0, std::memory_order_release);
+  // Scopes end in the reverse order of their start, so this is the top one;
+  // should another order ever happen, the stack still shrinks correctly.
+  while (t_gate_top > 0 && t_gate_slot->entry[t_gate_top - 1].load(std::memory_order_relaxed) == 0) --t_gate_top;
+}
+
+void SectionGate::close() noexcept {
+  closed_.store(true, std::memory_order_seq_cst);
+  gate_close_barrier();
+}
+
+bool SectionGate::empty() const noexcept {
+  if (shared_.load(std::memory_order_acquire) != 0) return false;
+  const auto self = reinterpret_cast<std::uintptr_t>(this);
+  for (const GateSlot& s : g_gate_slots)
+    for (const auto& e : s.entry)
+      if (e.load(std::memory_order_acquire) == self) return false;
+  return true;
+}
+
+void SectionGate::close_and_wait() noexcept {
+  close();
+  // Sections are short (a send, a call): look often at first, then nap.
+  for (int looks = 0; !empty(); ++looks) {
+    if (looks < 64) sched_yield();
+    else ::usleep(looks < 1000 ? 50 : 1000);
+  }
+}
+
+}  // namespace spindle
