@@ -215,6 +215,9 @@ class Broker {
   // polling, where a 50 us window always missed and it slept; answers
   // slower than that do not make a thread poll longer (loop_lead.cpp).
   static constexpr int kSpinStretch = 4;
+  // Options::wait_spin: what other waits on this loop's work poll for too
+  // (a pool worker's, a Select's).
+  std::chrono::microseconds wait_spin() const { return opts_.wait_spin; }
   static std::chrono::nanoseconds spin_window(std::chrono::nanoseconds base, std::chrono::nanoseconds typical);
   enum class Lead { kDone, kBusy, kTimedOut, kStopped };
   // Runs the loop on the calling thread until done(ctx) is true (checked

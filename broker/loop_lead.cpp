@@ -34,7 +34,8 @@
 // context switches cost more than the polls). The poller yields between
 // polls, so a peer on the same CPU still runs (pinned to one CPU: 29 us
 // either way), and a thread whose polls keep finding nothing stops polling
-// for a while (SpinHistory), so a thread that waits long wastes little.
+// for a while (broker/poll_history.h), so a thread that waits long wastes
+// little.
 // The window stretches to what the thread's answers have been taking, up
 // to four times wait_spin (spin_window()): over ssh to localhost a call's
 // answer takes about 100 us, so a 50 us window always missed, the thread
@@ -55,41 +56,20 @@
 #include "broker/errors.h"
 #include "broker/futex.h"
 #include "broker/log.h"
+#include "broker/poll_history.h"
 #include "broker/sigpipe.h"
 
 namespace spindle {
 
-namespace {
-
-// Per thread: whether polling has been paying. After kMissesToBackOff
-// windows in a row that ended without the awaited event, the thread sleeps
-// at once for its next kBackOffWaits waits, then polls once to look again.
-// `typical_ns` follows how long its leading waits took to be answered (a
-// moving average, each wait weighing a quarter), for spin_window().
-struct SpinHistory {
-  std::uint8_t misses = 0;
-  std::uint8_t skip = 0;
-  std::int64_t typical_ns = 0;
-};
-thread_local SpinHistory tl_spin;
-constexpr std::uint8_t kMissesToBackOff = 4;
-constexpr std::uint8_t kBackOffWaits = 15;
-
-}  // namespace
-
 // The first Options::wait_spin of a wait: runs what is ready without
 // sleeping, yielding the CPU after each empty poll, until answered(handlers
 // run so far in this window), the window ends or the loop stops. Returns
-// the handlers run; skipped (0) while this thread backs off (SpinHistory).
+// the handlers run; skipped (0) while this thread backs off (poll_history.h).
 template <class Answered>
 std::size_t Broker::poll_window(Answered answered, Clock::time_point deadline) {
-  if (opts_.wait_spin.count() <= 0) return 0;
-  if (tl_spin.skip > 0) {
-    --tl_spin.skip;
-    return 0;
-  }
+  const auto window = poll_history::window(opts_.wait_spin);
+  if (window.count() <= 0) return 0;
   wait_polls_.fetch_add(1, std::memory_order_relaxed);
-  const auto window = spin_window(opts_.wait_spin, std::chrono::nanoseconds(tl_spin.typical_ns));
   const Clock::time_point until = std::min(Clock::now() + window, deadline);
   std::size_t ran = 0;
   bool hit = false;
@@ -98,13 +78,8 @@ std::size_t Broker::poll_window(Answered answered, Clock::time_point deadline) {
     ran += n;
     if (n == 0) sched_yield();
   }
-  if (hit) {
-    wait_polls_answered_.fetch_add(1, std::memory_order_relaxed);
-    tl_spin.misses = 0;
-  } else if (++tl_spin.misses >= kMissesToBackOff) {
-    tl_spin.misses = kMissesToBackOff;  // the next probe that misses backs off again
-    tl_spin.skip = kBackOffWaits;
-  }
+  if (hit) wait_polls_answered_.fetch_add(1, std::memory_order_relaxed);
+  poll_history::polled(hit);
   return ran;
 }
 
@@ -233,11 +208,7 @@ Broker::Lead Broker::lead_until(bool (*done)(const void*), const void* ctx, Cloc
       break;
     }
   }
-  if (how == Lead::kDone) {
-    const std::int64_t took = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - began).count();
-    std::int64_t& typical = tl_spin.typical_ns;
-    typical = typical == 0 ? took : typical + (took - typical) / 4;
-  }
+  if (how == Lead::kDone) poll_history::answered_after(Clock::now() - began);
   if (leader_quieted_) {
     // A write to a closed pipe left SIGPIPE pending on this thread: consume
     // it, or unblocking would deliver it.

@@ -9,11 +9,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <ctime>
 
 #include "broker/errors.h"
 #include "broker/log.h"
+#include "broker/poll_history.h"
 
 namespace spindle::services {
 namespace {
@@ -30,18 +32,10 @@ inline void cpu_relax() {
 
 }  // namespace
 
-bool WakeWord::wait(std::uint32_t expected, std::chrono::steady_clock::time_point deadline) {
+bool WakeWord::wait(std::uint32_t expected, std::chrono::steady_clock::time_point deadline,
+                    std::chrono::nanoseconds poll) {
   using namespace std::chrono;
-  timespec ts{};
-  timespec* tsp = nullptr;
-  if (deadline != steady_clock::time_point::max()) {
-    auto left = deadline - steady_clock::now();
-    if (left <= nanoseconds::zero()) return false;
-    auto s = duration_cast<seconds>(left);
-    ts.tv_sec = static_cast<time_t>(s.count());
-    ts.tv_nsec = static_cast<long>(duration_cast<nanoseconds>(left - s).count());
-    tsp = &ts;
-  }
+  if (deadline != steady_clock::time_point::max() && deadline <= steady_clock::now()) return false;
   // A hand-off that comes within a few microseconds (a producer that posts
   // in bursts, a reply already on its way) is taken without sleeping: the
   // waker, seeing no kAsleep mark, makes no syscall either, and the thread
@@ -51,6 +45,29 @@ bool WakeWord::wait(std::uint32_t expected, std::chrono::steady_clock::time_poin
     if (word_.load(std::memory_order_seq_cst) != expected) return true;
     if (i < kSpinPauses) cpu_relax();
     else sched_yield();
+  }
+  // Then, with a window, a longer look (yielding between looks).
+  const steady_clock::time_point began = poll.count() > 0 ? steady_clock::now() : steady_clock::time_point{};
+  if (const nanoseconds window = poll_history::window(poll); window.count() > 0) {
+    const steady_clock::time_point until = std::min(began + window, deadline);
+    bool answered = false;
+    while (!(answered = word_.load(std::memory_order_seq_cst) != expected) && steady_clock::now() < until)
+      sched_yield();
+    poll_history::polled(answered);
+    if (answered) {
+      poll_history::answered_after(steady_clock::now() - began);
+      return true;
+    }
+  }
+  timespec ts{};
+  timespec* tsp = nullptr;
+  if (deadline != steady_clock::time_point::max()) {
+    auto left = deadline - steady_clock::now();
+    if (left <= nanoseconds::zero()) return false;
+    auto s = duration_cast<seconds>(left);
+    ts.tv_sec = static_cast<time_t>(s.count());
+    ts.tv_nsec = static_cast<long>(duration_cast<nanoseconds>(left - s).count());
+    tsp = &ts;
   }
   // Announce the sleep; a value stored meanwhile ends the wait at once.
   std::uint32_t w = expected;
@@ -62,6 +79,8 @@ bool WakeWord::wait(std::uint32_t expected, std::chrono::steady_clock::time_poin
   // Awake: take the mark back unless a waker already replaced the word.
   w = expected | kAsleep;
   word_.compare_exchange_strong(w, expected, std::memory_order_relaxed);
+  if (poll.count() > 0 && word_.load(std::memory_order_relaxed) != expected)
+    poll_history::answered_after(steady_clock::now() - began);
   if (rc == 0) return true;
   if (err == ETIMEDOUT) return steady_clock::now() < deadline;
   // EAGAIN: the word changed before we slept; EINTR: a signal. Both re-check.

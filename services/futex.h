@@ -20,7 +20,13 @@ class WakeWord {
   // Sleeps while the word equals `expected`, until `deadline` (steady clock).
   // Returns on a wake, a change of value, a signal or the deadline; the caller
   // re-checks the word. Returns false only when the deadline has passed.
-  bool wait(std::uint32_t expected, std::chrono::steady_clock::time_point deadline);
+  // With `poll` (a Broker's wait_spin), it first looks at the word, yielding
+  // between looks, for up to that long (stretched and backed off by the
+  // thread's poll history, broker/poll_history.h): a hand-off that comes
+  // within the window costs the waker no FUTEX_WAKE and this thread no
+  // wake-up, the dearest part of a hand-off on a VM.
+  bool wait(std::uint32_t expected, std::chrono::steady_clock::time_point deadline,
+            std::chrono::nanoseconds poll = {});
   // Stores `value` and wakes the thread sleeping on the word, if one is: a
   // waiter that is not asleep (it runs the broker's loop) costs no syscall.
   void set_and_wake(std::uint32_t value);

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -58,6 +59,35 @@ TEST(ServicesPool, OneWakeUpPerMessage) {
   // The kernel agrees: the 8 workers slept about once per message in all (a
   // herd would cost about 8). Slack for a rare contended lock.
   EXPECT_LT(switches, 2 * kCalls) << switches << " voluntary switches for " << kCalls << " messages";
+}
+
+// A worker that has run a message polls for the next one for its broker's
+// wait_spin before it sleeps (services/futex.h): the next call within that
+// window wakes nobody. One caller calling back to back is the case: before,
+// its worker slept after every message and each call paid a wake-up. As in
+// WaitSpin's tests, one of up to three calls must find the worker awake (a
+// contended lock can cost it a switch now and then).
+TEST(ServicesPool, AWorkerWhoseNextMessageComesWithinThePollWindowDoesNotSleep) {
+  Broker broker(Broker::Options{.wait_spin = 10s});
+  Router router(broker, RouterOptions{.name = "root"});
+  services::Pool pool(pool_of(1));
+  services::ServiceHost host(router, pool);
+  host.add(echo_service());
+  Context self(router, router.id(), "self");
+  ASSERT_EQ(services::call_text(self, "echo", "say", "warm"), "warm");
+  const pid_t worker = pool.worker_tids().at(0);
+  std::string seen;
+  bool slept = true;
+  for (int attempt = 0; attempt < 3 && slept; ++attempt) {
+    std::this_thread::sleep_for(20ms);  // the worker polls meanwhile
+    const long before = voluntary_switches(worker);
+    ASSERT_EQ(services::call_text(self, "echo", "say", "again"), "again");
+    const long switched = voluntary_switches(worker) - before;
+    seen += std::to_string(switched) + " ";
+    slept = switched != 0;
+  }
+  EXPECT_FALSE(slept) << "the worker slept between messages 20 ms apart, inside a 10 s window; "
+                      << "its voluntary switches per call: " << seen;
 }
 
 TEST(ServicesPool, BusyWorkerTakesQueuedWorkWithoutWakeUps) {

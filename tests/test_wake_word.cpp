@@ -11,6 +11,7 @@
 
 #include "services/futex.h"
 #include "tests/seccomp_util.h"
+#include "tests/stream_test_util.h"
 
 namespace spindle::services {
 namespace {
@@ -68,6 +69,53 @@ TEST(WakeWord, ATimedOutWaitLeavesTheWordAsItWas) {
   EXPECT_FALSE(WakeWord::is_set(&w)) << "the sleeper's mark was left in the word";
   w.set_and_wake(1);
   EXPECT_TRUE(WakeWord::is_set(&w));
+}
+
+// With a poll window, a value stored while the waiter polls costs the waker
+// no FUTEX_WAKE: in a child whose storing thread may not make the call,
+// the store goes through and the waiter returns with it.
+TEST(WakeWord, AValueStoredWithinThePollWindowCostsTheWakerNoFutexCall) {
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    WakeWord w;
+    std::atomic<bool> polling{false}, returned{false};
+    std::thread waiter([&] {
+      polling = true;
+      const bool woke = w.wait(0, Clock::now() + 20s, 10s);
+      returned = woke && w.load() == 1;
+    });
+    while (!polling.load()) std::this_thread::yield();
+    std::this_thread::sleep_for(20ms);  // well inside the 10 s window
+    if (!testutil::forbid_syscall(SYS_futex)) ::_exit(testutil::kNoSeccomp);
+    w.set_and_wake(1);
+    const auto until = Clock::now() + 10s;
+    while (!returned.load() && Clock::now() < until) std::this_thread::yield();
+    ::_exit(returned.load() ? 0 : 2);  // no join: it would wait on a futex
+  }
+  const std::string outcome = testutil::child_outcome(pid);
+  if (outcome == "skip") GTEST_SKIP() << "seccomp is not available here";
+  EXPECT_EQ(outcome, "");
+}
+
+// Windows that end unanswered four times in a row make the thread sleep at
+// once for its next waits (broker/poll_history.h), so a waiter whose work
+// comes seldom does not poll for nothing: the fifth wait sleeps.
+TEST(WakeWord, AWaiterWhosePollsFindNothingStopsPolling) {
+  std::thread([] {  // a fresh thread: the history is per thread
+    WakeWord w;
+    const pid_t self = testutil::gettid_now();
+    for (int i = 0; i < 4; ++i) {
+      const long before = testutil::voluntary_switches(self);
+      EXPECT_FALSE(w.wait(0, Clock::now() + 5ms, 10s));  // polled until the deadline
+      EXPECT_EQ(testutil::voluntary_switches(self), before) << "wait " << i << " slept instead of polling";
+    }
+    const long before = testutil::voluntary_switches(self);
+    const auto deadline = Clock::now() + 5ms;
+    while (w.wait(0, deadline, 10s)) {
+    }
+    EXPECT_GT(testutil::voluntary_switches(self), before) << "the fifth wait polled again";
+  }).join();
 }
 
 }  // namespace
