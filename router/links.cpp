@@ -257,6 +257,7 @@ void Router::on_stream_closed(Stream& s, const std::string& stream_reason, Unsen
   const std::string why = link->explain_close ? link->explain_close(stream_reason) : stream_reason;
   links_.erase(it);
   links_by_port_.erase(link->port_serial);
+  route_epoch_.fetch_add(1, std::memory_order_acq_rel);  // caches of the link go (route_local_origin)
   s.set_tag(nullptr);
   // Whoever waited for its queue to drain is read again (their frames for it
   // now find no route).

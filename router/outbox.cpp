@@ -20,6 +20,18 @@ namespace {
 
 std::size_t round_up8(std::size_t n) { return (n + 7) & ~std::size_t{7}; }
 
+std::atomic<std::uint64_t> g_outbox_serial{1};
+
+// The consumer's head as this thread last read it, for one outbox at a
+// time: the head only grows, so an old value only ever understates the
+// space, and a producer reads the real one (a cache line the consumer
+// writes at every drain) only when the old one says the ring is full.
+struct SeenHead {
+  std::uint64_t outbox = 0;  // the serial of the outbox it belongs to
+  std::uint64_t head = 0;
+};
+thread_local SeenHead t_seen_head;
+
 std::size_t power_of_two_at_least(std::size_t n) {
   std::size_t p = 4096;
   while (p < n) p <<= 1;
@@ -34,7 +46,8 @@ std::size_t power_of_two_at_least(std::size_t n) {
 // messages in its life (a forked worker) touches a page or two instead of
 // the whole megabyte, a fault per 4 KiB that bench_forks showed costing a
 // short-lived worker about a third of its life.
-Outbox::Outbox(std::size_t capacity) : capacity_(power_of_two_at_least(capacity)) {
+Outbox::Outbox(std::size_t capacity)
+    : serial_(g_outbox_serial.fetch_add(1, std::memory_order_relaxed)), capacity_(power_of_two_at_least(capacity)) {
   void* p = ::mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
   buf_ = static_cast<std::uint8_t*>(p);
@@ -64,11 +77,14 @@ Outbox::Push Outbox::push(const OutboxRecord& rec, std::span<const std::uint8_t>
   std::uint64_t t;
   std::size_t pad;
   std::optional<std::chrono::steady_clock::time_point> deadline;  // from the first wait
+  SeenHead& seen = t_seen_head;
+  if (seen.outbox != serial_) seen = SeenHead{serial_, head_.load(std::memory_order_acquire)};
   while (true) {
     t = tail_.load(std::memory_order_relaxed);
     std::size_t off = static_cast<std::size_t>(t & (capacity_ - 1));
     pad = off + need > capacity_ ? capacity_ - off : 0;
-    if (t + pad + need - head_.load(std::memory_order_acquire) <= capacity_) {
+    if (t + pad + need - seen.head > capacity_) seen.head = head_.load(std::memory_order_acquire);
+    if (t + pad + need - seen.head <= capacity_) {
       if (tail_.compare_exchange_weak(t, t + pad + need, std::memory_order_acq_rel)) break;
       continue;
     }

@@ -86,6 +86,7 @@ class Outbox {
   void publish(std::uint64_t pos, std::uint32_t length);
   void release(std::uint64_t from, std::uint64_t to);  // zero, then move the head
 
+  const std::uint64_t serial_;  // unique in the process: producers' cached heads name it
   std::size_t capacity_;  // a power of two
   std::uint8_t* buf_;
   alignas(64) std::atomic<std::uint64_t> tail_{0};

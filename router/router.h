@@ -517,6 +517,15 @@ class Router : public StreamListener, public ShutdownParticipant {
   HandlerTable handlers_;
   std::unordered_map<Stream*, std::unique_ptr<Link>> links_;
   std::unordered_map<std::uint64_t, Link*> links_by_port_;
+  // route_local_origin()'s last lookups (broker thread), valid for `epoch`.
+  struct OriginCache {
+    std::uint64_t epoch = 0;  // route_epoch_ starts at 1: a fresh cache never matches
+    std::uint64_t port_serial = 0;
+    Link* charged_on = nullptr;
+    bool has_out = false;
+    std::uint32_t dst = 0;
+    Link* out = nullptr;
+  } origin_cache_;
   std::atomic<std::size_t> clients_{0};
   std::unordered_map<std::uint32_t, std::size_t> clients_by_uid_;  // broker thread
   std::unordered_map<std::uint32_t, Link*> routes_;

@@ -314,17 +314,37 @@ void Router::route_local_origin(OutboxRecord& rec, std::span<const std::uint8_t>
     if (charged_on) charged_on->stream->gauge().release(rec.charged);
     rec.charged = 0;
   };
+  // Consecutive records mostly share their port and destination: the last
+  // lookup of each is kept while route_epoch_ is unchanged (every change
+  // of the links or routes bumps it; only this thread does).
+  const std::uint64_t epoch = route_epoch_.load(std::memory_order_relaxed);
+  OriginCache& c = origin_cache_;
+  if (c.epoch != epoch) c = OriginCache{.epoch = epoch};
   Link* charged_on = nullptr;
-  if (rec.port_serial) {
+  if (rec.port_serial && rec.port_serial == c.port_serial) {
+    charged_on = c.charged_on;
+  } else if (rec.port_serial) {
     auto it = links_by_port_.find(rec.port_serial);
-    if (it != links_by_port_.end()) charged_on = it->second;
+    if (it != links_by_port_.end()) {
+      charged_on = it->second;
+      c.port_serial = rec.port_serial;
+      c.charged_on = charged_on;
+    }
   }
   if (h.dst_id == id()) {
     release(charged_on);
     if (is_call_handle(h.handle)) return complete_call(message());
     return dispatch_local(message());
   }
-  Link* out = route_for(h.dst_id);
+  Link* out;
+  if (c.has_out && c.dst == h.dst_id) {
+    out = c.out;
+  } else {
+    out = route_for(h.dst_id);
+    c.dst = h.dst_id;
+    c.out = out;
+    c.has_out = true;
+  }
   if (!out) {
     release(charged_on);
     return send_dead(h, fmt::format("{}: {}", reason::kNoRoute, h.dst_id));
