@@ -225,7 +225,11 @@ class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::T
   const std::string& name() const { return opts_.name; }
   void set_name(std::string name);
   const PeerInfo& peer() const { return peer_; }
-  const StreamStats& stats() const { return stats_; }
+  // messages_out is counted here, when asked (TxQueue::frames_written()).
+  const StreamStats& stats() {
+    stats_.messages_out = tx_.frames_written();
+    return stats_;
+  }
   // Receive chunks the stream holds: none while it waits for input with
   // nothing unread and no message holding its chunk.
   std::size_t receive_chunks() const { return rx_.chunk_count(); }

@@ -151,7 +151,6 @@ void Stream::flush() {
       port_->gauge.release(released);
       note_below_mark();
     }
-    stats_.messages_out = tx_.frames_written();
     if (static_cast<std::size_t>(n) < g.bytes) return arm_write();
   }
   if (busy_ && state_ == StreamState::kOpen) {

@@ -104,6 +104,7 @@ class TxQueue {
   // frame still in a receive buffer).
   template <class F>
   void append_inline_with(const HeaderBytes& header, std::size_t body_len, F&& body) {
+    note_frame_start();
     push_bytes(header.data(), kHeaderSize);
     body([this](const std::uint8_t* p, std::size_t n) { push_bytes(p, n); });
     queued_ += kHeaderSize + body_len;
@@ -123,7 +124,9 @@ class TxQueue {
   // own thread).
   static std::size_t cached_blocks();
   std::size_t frames_queued() const { return frames_.size(); }
-  std::uint64_t frames_written() const { return frames_written_; }
+  // Frames written whole so far (those the queue dropped unsent at clear()
+  // not among them). Counts the last block's frames, so it is for stats.
+  std::uint64_t frames_written();
 
   struct Gather {
     int iovcnt = 0;
@@ -152,12 +155,24 @@ class TxQueue {
  private:
   struct Entry {
     std::uint64_t at = 0;  // inline bytes queued before this frame
+    std::uint64_t inline_before = 0;  // inline frames queued before it
     TxFrame frame;
     std::size_t sent = 0;
     std::size_t window_at = 0, window_len = 0;  // mapped window (streamed)
     void* window = nullptr;
   };
+  // Where the first inline frame that starts in a block starts, and how
+  // many inline frames came before it (sync_boundary()).
+  struct BlockStart {
+    static constexpr std::uint64_t kNone = ~std::uint64_t{0};
+    std::uint64_t at = kNone;
+    std::uint64_t index = 0;
+  };
   std::uint8_t* block_at(std::uint64_t pos);
+  Header header_at(std::uint64_t pos);
+  std::uint64_t inline_index_at(std::uint64_t pos);
+  void add_block();
+  void note_frame_start();
   void push_bytes(const std::uint8_t* p, std::size_t n);
   void free_blocks_before(std::uint64_t pos);
   void sync_boundary();
@@ -167,12 +182,16 @@ class TxQueue {
 
   Account* account_;
   Ring<std::uint8_t*> blocks_;         // blocks_[0] holds position base_
+  Ring<BlockStart> starts_;            // one per block, alike
   std::uint64_t base_ = 0;             // position of blocks_[0][0]
   std::uint64_t head_ = 0, tail_ = 0;  // inline bytes written / appended
   std::uint64_t boundary_ = 0;         // a frame boundary <= head_ (never inside a frame)
+  std::uint64_t boundary_index_ = 0;   // inline frames queued before boundary_
+  std::uint64_t inline_frames_ = 0;    // inline frames queued so far
   Ring<Entry> frames_;
   std::size_t queued_ = 0;
-  std::uint64_t frames_written_ = 0;
+  std::uint64_t entry_frames_written_ = 0;  // TxFrame entries written whole
+  std::uint64_t unsent_inline_ = 0;         // inline frames clear() dropped unsent
 };
 
 }  // namespace spindle
