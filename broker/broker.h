@@ -204,6 +204,12 @@ class Broker {
 
   // --- leader/follower (see above) ---
   static constexpr std::chrono::microseconds kLinger{100};
+  // A waker turn that found kStreamingBatch records or more drains on while
+  // they come at most kStreamGap apart, for up to kStreamTurn
+  // (keep_draining()). A sender that sends now and then costs no polling.
+  static constexpr std::size_t kStreamingBatch = 8;
+  static constexpr std::chrono::microseconds kStreamGap{5};
+  static constexpr std::chrono::microseconds kStreamTurn{100};
   static constexpr std::chrono::microseconds kMaxLinger{3200};  // lingers double while callers lead
   // How long a would-be leader waits for the own thread to step aside.
   static constexpr std::chrono::microseconds kHandOverWait{50};
@@ -259,7 +265,7 @@ class Broker {
   // Runs at every wake-up, after the deferred functions: a queue of another
   // module that producers signal with wake(). Returns an id for
   // remove_wake_sink().
-  int on_wake(std::function<void()> sink);
+  int on_wake(std::function<std::size_t()> sink);
   void remove_wake_sink(int id);
 
  private:
@@ -284,7 +290,8 @@ class Broker {
   void step_aside();
   void nudge_dedicated();
   bool drain_deferred();
-  void run_sinks();
+  std::size_t run_sinks();  // records the sinks handled
+  void keep_draining();
   void reap_children();
   void create_timer(TimerId id, std::chrono::nanoseconds delay, std::function<void()> fn);
   void begin_shutdown(std::chrono::milliseconds grace);
@@ -363,7 +370,7 @@ class Broker {
   bool rest_told_ = false;
   std::unique_ptr<asio::steady_timer> deadline_;
   bool finishing_ = false;
-  std::vector<std::pair<int, std::function<void()>>> wake_sinks_;
+  std::vector<std::pair<int, std::function<std::size_t()>>> wake_sinks_;
   // Hosted: the pidfd watches, cancelled when the broker finishes.
   std::vector<std::weak_ptr<asio::posix::stream_descriptor>> child_watches_;
   std::vector<std::function<void()>> finished_fns_;  // guarded by request_mu_

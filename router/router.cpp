@@ -75,7 +75,7 @@ Router::Router(Broker& broker, RouterOptions opts)
   handlers_.add([this](Message&& m) { allocate_for(std::move(m)); }, {}, kHandleAllocateId);
   broker_.defer([this] {
     broker_.add_participant(this);
-    wake_sink_ = broker_.on_wake([this] { drain_outbox(); });
+    wake_sink_ = broker_.on_wake([this] { return drain_outbox(); });
   });
 }
 

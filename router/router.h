@@ -376,7 +376,7 @@ class Router : public StreamListener, public ShutdownParticipant {
   bool deliver_here(Header& h, std::span<const std::uint8_t> bytes, Message* msg);
   PortView port_for(std::uint32_t dst);
   PortRef port_locked(std::uint32_t dst) const;  // under ports_mu_: the port, uncached
-  void drain_outbox();
+  std::size_t drain_outbox();  // records handled
   void route_local_origin(OutboxRecord& rec, std::span<const std::uint8_t> bytes, Message* msg);
   // forward.cpp: the broker thread's routing
   bool reverse_path_ok(Link& in, const Header& h);

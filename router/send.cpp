@@ -288,9 +288,9 @@ bool Router::deliver_here(Header& h, std::span<const std::uint8_t> bytes, Messag
   return true;
 }
 
-void Router::drain_outbox() {
+std::size_t Router::drain_outbox() {
   BatchScope batch(*this);
-  outbox_.drain([this](OutboxRecord& rec, std::span<const std::uint8_t> bytes, Message* msg) {
+  return outbox_.drain([this](OutboxRecord& rec, std::span<const std::uint8_t> bytes, Message* msg) {
     try {
       route_local_origin(rec, bytes, msg);
     } catch (const std::exception& e) {

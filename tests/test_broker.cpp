@@ -109,6 +109,54 @@ TEST(BrokerDefer, TenThousandDefersCoalesceWakeups) {
   }
 }
 
+// A waker turn that found records keeps draining while they keep coming
+// (Broker::keep_draining), with the wake-up flag set so producers skip the
+// eventfd. Producers here publish in bursts with pauses around the turn's
+// gap, so turns end in every phase of a burst: every record must still be
+// handled (one published just as a turn gave up must bring a new wake-up),
+// and without any further wake-up once the producers stop.
+TEST(BrokerWake, NoRecordIsLeftBehindWhenADrainingTurnEnds) {
+  Broker broker;
+  std::atomic<std::uint64_t> published{0};
+  std::uint64_t consumed = 0;  // broker thread
+  std::atomic<std::uint64_t> consumed_seen{0};
+  const int sink = run_on(broker, [&] {
+    return broker.on_wake([&]() -> std::size_t {
+      const std::uint64_t now = published.load(std::memory_order_seq_cst);
+      const std::size_t n = static_cast<std::size_t>(now - consumed);
+      consumed = now;
+      consumed_seen.store(consumed, std::memory_order_release);
+      return n;
+    });
+  });
+  constexpr int kProducers = 3, kBursts = 300;
+  std::vector<std::thread> ts;
+  for (int p = 0; p < kProducers; ++p) {
+    ts.emplace_back([&, p] {
+      std::uint32_t x = 12345u + static_cast<std::uint32_t>(p);
+      for (int b = 0; b < kBursts; ++b) {
+        x = x * 1664525u + 1013904223u;
+        const int records = 1 + static_cast<int>(x % 40);
+        for (int r = 0; r < records; ++r) {
+          published.fetch_add(1, std::memory_order_seq_cst);
+          broker.wake();
+        }
+        // 0-12 us: some pauses outlast the turn's gap (5 us), some do not.
+        const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds((x >> 8) % 12000);
+        while (std::chrono::steady_clock::now() < until) {
+        }
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  const std::uint64_t total = published.load();
+  const auto give_up = std::chrono::steady_clock::now() + kGuard;
+  while (consumed_seen.load(std::memory_order_acquire) != total && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(consumed_seen.load(), total) << "records published were never drained";
+  run_on(broker, [&] { broker.remove_wake_sink(sink); });
+}
+
 TEST(BrokerIdle, ZeroWakeupsWhileIdle) {
   Broker broker;
   settle(broker);
