@@ -465,8 +465,8 @@ void Router::dispatch_local(Message&& m) {
   // Keep each handle's order: once a handle has messages held, later ones for
   // it queue behind them even if its handler has been registered since.
   if (hold_unknown_ && !m.is_dead() && held_handles_.count(m.header.handle) && hold(m)) return;
-  const HandlerPtr* found = handlers_.find(m.header.handle);
-  if (!found) {
+  const Handler* h = handlers_.find(m.header.handle);
+  if (!h) {
     if (hold_unknown_ && !m.is_dead() && hold(m)) return;
     if (m.is_dead())
       log().debug("dead message for unknown handle {} from context {}", m.header.handle,
@@ -475,7 +475,7 @@ void Router::dispatch_local(Message&& m) {
       send_dead(m.header, fmt::format("{}: {}", reason::kInvalidHandle, m.header.handle));
     return;
   }
-  HandlerPtr h = *found;  // the handler may remove itself while it runs
+  HandlerTable::Dispatch running(handlers_);  // the handler may remove itself while it runs
   if (h->opts.policy) {
     bool allowed = false;
     try {

@@ -26,15 +26,20 @@ std::uint32_t HandlerTable::add(HandlerFn fn, HandlerOptions opts, std::uint32_t
   return handle;
 }
 
-const HandlerPtr* HandlerTable::find(std::uint32_t handle) const {
+const Handler* HandlerTable::find(std::uint32_t handle) {
+  if (last_found_ && last_handle_ == handle) return last_found_;
   auto it = map_.find(handle);
-  return it == map_.end() ? nullptr : &it->second;
+  if (it == map_.end()) return nullptr;
+  last_handle_ = handle;
+  return last_found_ = it->second.get();
 }
 
 bool HandlerTable::remove(std::uint32_t handle) {
   auto it = map_.find(handle);
   if (it == map_.end()) return false;
   const bool any = it->second->opts.any_thread;
+  if (last_handle_ == handle) last_found_ = nullptr;
+  if (dispatching_ > 0) retired_.push_back(std::move(it->second));
   map_.erase(it);
   if (any) publish();
   return true;

@@ -58,8 +58,24 @@ class HandlerTable {
   // handle == 0 allocates the next free dynamic handle (1000 and up, below
   // the call handles). Returns 0 if an explicit handle is already taken.
   std::uint32_t add(HandlerFn fn, HandlerOptions opts, std::uint32_t handle = 0);
-  const HandlerPtr* find(std::uint32_t handle) const;
+  // The handler of `handle`, or null. Valid until the handle is removed, or,
+  // while a Dispatch is open, until the last one closes: a handler that
+  // removes itself (or another) while it runs is freed only then, so a
+  // dispatch holds no reference count of its own.
+  const Handler* find(std::uint32_t handle);
   bool remove(std::uint32_t handle);
+  class Dispatch {
+   public:
+    explicit Dispatch(HandlerTable& t) : t_(t) { ++t_.dispatching_; }
+    ~Dispatch() {
+      if (--t_.dispatching_ == 0 && !t_.retired_.empty()) t_.retired_.clear();
+    }
+    Dispatch(const Dispatch&) = delete;
+    Dispatch& operator=(const Dispatch&) = delete;
+
+   private:
+    HandlerTable& t_;
+  };
   std::size_t size() const { return map_.size(); }
   HandlerPtr find_any_thread(std::uint32_t handle) const;
 
@@ -68,6 +84,12 @@ class HandlerTable {
   void publish();
 
   std::unordered_map<std::uint32_t, HandlerPtr> map_;
+  // find()'s last answer: consecutive messages mostly go to one handle.
+  // Map nodes stay put when the map grows; remove() forgets it.
+  std::uint32_t last_handle_ = 0;
+  const Handler* last_found_ = nullptr;
+  int dispatching_ = 0;                // Dispatch scopes open
+  std::vector<HandlerPtr> retired_;    // removed while they were open
   std::uint32_t next_dynamic_ = kFirstDynamicHandle;
   std::atomic<const Snapshot*> any_thread_{nullptr};
   std::vector<std::unique_ptr<const Snapshot>> snapshots_;  // every one published

@@ -57,7 +57,10 @@ void FrameParser::feed(std::span<const std::uint8_t> bytes) {
   }
 }
 
+// In place when the header does not straddle two chunks: copied out piece
+// by piece and decoded, every field's load waited for the copy's stores.
 Header FrameParser::peek_header() const {
+  if (const std::uint8_t* p = rx_.front(kHeaderSize)) return decode_header(p);
   std::uint8_t raw[kHeaderSize];
   rx_.peek(raw, kHeaderSize);
   return decode_header(raw);

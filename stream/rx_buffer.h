@@ -75,6 +75,13 @@ class RxBuffer {
   void commit(std::size_t n);
   // Copies `n` bytes (n <= readable()) into `out` without consuming them.
   void peek(std::uint8_t* out, std::size_t n) const;
+  // The first `n` readable bytes where they lie when they are contiguous
+  // (n <= readable()), else null: a frame header read in place.
+  const std::uint8_t* front(std::size_t n) const {
+    if (stash_) return stash_.get();
+    const std::size_t end = chunks_.size() == 1 ? tail_ : chunks_.front()->capacity();
+    return end - head_ >= n ? chunks_.front()->data() + head_ : nullptr;
+  }
   // Consumes `n` bytes and returns them as slices of the chunks.
   Payload take(std::size_t n);
   void drop(std::size_t n);
