@@ -20,6 +20,7 @@ PACKAGES=(
   libzmq3-dev       # bench_router's peer row: ZeroMQ's zmq_proxy beside spindle-router
   libmsgpack-cxx-dev  # typed calls: msgpack-c++ (header-only, used with MSGPACK_NO_BOOST)
   pybind11-dev      # the Python binding (python/): pybind11's headers and CMake config
+  python3-dev       # ... and Python.h, which pybind11-dev does not pull in
   python3-pybind11  # ... and its Python package, for Debian's /usr/bin/python3
   python3-numpy     # the Python binding: numpy payloads (issue 14, part 2) and their tests
   python3-pytest    # the Python binding's tests run with /usr/bin/python3 -m pytest
