@@ -222,6 +222,42 @@ def test_a_receiver_out_of_fds_is_an_fd_error_for_the_sender(router):
         child.stop()
 
 
+def send_an_fd_while_out_of_fds(sender):
+    """In a child: with every fd of its limit in use, a send with an fd
+    cannot duplicate it. Returns what it raised (and sends nothing)."""
+    r, w = os.pipe()
+    try:
+        exhaust_fds()
+        try:
+            sender.send(b"never", fds=[w])
+        except spindle.FdError as e:
+            return ["FdError", str(e), isinstance(e, spindle.ChannelError)]
+        except Exception as e:  # noqa: B902 - reported to the test
+            return ["other", repr(e), False]
+        finally:
+            release_fds()
+        return ["sent", "", False]
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_sender_out_of_fds_gets_an_fd_error_and_sends_nothing(router):
+    child = router.fork(name="sender-starved")
+    try:
+        with router.receiver() as rx:
+            kind, text, is_channel_error = child.with_timeout(BOUND).call(send_an_fd_while_out_of_fds, rx.sender)
+            assert kind == "FdError", text
+            assert "cannot duplicate the fds to send" in text and "Too many open files" in text
+            assert is_channel_error
+            # Nothing was sent: it would have come on the link before the
+            # call's answer, so the next message is a marker sent now.
+            router.context(router.id).send(rx.handle, "marker")
+            assert rx.get(timeout=BOUND).data == "marker"
+    finally:
+        child.stop()
+
+
 def test_fds_never_leak(router):
     child = router.fork(fd_main, name="counted")
     handle = child.call("rx_handle")

@@ -64,6 +64,27 @@ def test_large_bytes_like_arguments_arrive_as_memoryviews(child, kind):
     assert "memfd:spindle-payload" in info["mapping"]
 
 
+@pytest.mark.parametrize("kind", ["array.array", "mmap"])
+def test_any_object_with_the_buffer_protocol_travels_as_a_memfd(child, kind):
+    # Neither bytes-like nor numpy: the generic buffer-protocol path.
+    import array
+    import mmap
+    data = pyfuncs.make_bytes(4 * MIB)
+    if kind == "array.array":
+        value = array.array("B", data)
+    else:
+        value = mmap.mmap(-1, len(data))
+        value.write(data)
+    try:
+        info = child.call(pyfuncs.describe_buffer, value)
+    finally:
+        if kind == "mmap":
+            value.close()
+    assert info["type"] == "memoryview" and info["readonly"] is True
+    assert info["crc"] == zlib.crc32(data) and info["nbytes"] == len(data)
+    assert "memfd:spindle-payload" in info["mapping"]
+
+
 def test_a_small_array_is_pickled_as_before(child):
     arr = numpy.arange(10, dtype=numpy.float32).reshape(2, 5)
     back = child.call(pyfuncs.echo, arr)
