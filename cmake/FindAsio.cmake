@@ -10,8 +10,19 @@
 #   Asio_VERSION        - e.g. 1.22.1
 #
 # Imported target:
-#   Asio::Asio          - INTERFACE target with ASIO_STANDALONE and
-#                         ASIO_NO_DEPRECATED compile definitions.
+#   Asio::Asio          - INTERFACE target with ASIO_STANDALONE,
+#                         ASIO_NO_DEPRECATED and ASIO_DISABLE_STD_ALIGNED_ALLOC
+#                         compile definitions.
+#
+# ASIO_DISABLE_STD_ALIGNED_ALLOC: Asio decides whether its inline
+# aligned_new()/aligned_delete() use std::aligned_alloc and free, or operator
+# new and delete, from _GLIBCXX_HAVE_ALIGNED_ALLOC, which only a libstdc++
+# header defines. A translation unit that includes Asio before any of them
+# (a test file whose first line is <asio/io_context.hpp>, first in its unity
+# batch) chose operator new while every other chose aligned_alloc; the
+# linker kept one copy of each inline function, and memory was allocated by
+# one and freed by the other (ASan: alloc-dealloc-mismatch in every test
+# that started a broker). Fixed here, for every unit and every consumer.
 #
 # Hint: set Asio_ROOT (or ASIO_ROOT) to the prefix of a custom installation.
 
@@ -51,7 +62,7 @@ if(Asio_FOUND)
     add_library(Asio::Asio INTERFACE IMPORTED)
     set_target_properties(Asio::Asio PROPERTIES
       INTERFACE_INCLUDE_DIRECTORIES "${Asio_INCLUDE_DIR}"
-      INTERFACE_COMPILE_DEFINITIONS "ASIO_STANDALONE;ASIO_NO_DEPRECATED")
+      INTERFACE_COMPILE_DEFINITIONS "ASIO_STANDALONE;ASIO_NO_DEPRECATED;ASIO_DISABLE_STD_ALIGNED_ALLOC")
     # Asio needs threads for its internal mutexes/condition variables.
     if(NOT TARGET Threads::Threads)
       find_package(Threads QUIET)
