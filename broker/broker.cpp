@@ -227,9 +227,10 @@ void Broker::on_waker() {
 // context switches, bench_core oneway). So a turn that found a batch
 // (kStreamingBatch records or more: the sender kept sending while the
 // wake-up was on its way) keeps draining while records keep coming,
-// kStreamGap apart at most, for up to kStreamTurn; wake_pending_ stays set meanwhile, which spares the
-// producers their eventfd writes. The end is as in on_waker(): the flag
-// goes off, then one more look. Other events wait for at most kStreamTurn.
+// kStreamGap apart at most, for up to kStreamTurn; wake_pending_ stays set
+// meanwhile, which spares the producers their eventfd writes. The end is as
+// in on_waker(): the flag goes off, then one more look. Other events (and
+// deferred functions, run just after) wait for at most kStreamTurn.
 void Broker::keep_draining() {
   wake_pending_.store(true, std::memory_order_seq_cst);
   const Clock::time_point turn_end = Clock::now() + kStreamTurn;

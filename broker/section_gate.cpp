@@ -23,7 +23,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <thread>
 
@@ -99,11 +101,15 @@ void clear_other_gate_slots_in_child() {
   }
 }
 
+// Set up while the library loads, before any gate is used (a gate used
+// earlier, by another library's static initialiser, enters with a fence).
 struct GateMode {
   bool asymmetric;
   GateMode() : asymmetric(register_gate_membarrier()) {
+    // Only ENOMEM; said on stderr, since the logger may not exist yet.
     if (int rc = ::pthread_atfork(nullptr, nullptr, clear_other_gate_slots_in_child); rc != 0)
-      throw Error(std::string("pthread_atfork: ") + errno_text(rc));
+      std::fprintf(stderr, "spindle: pthread_atfork: %s: a forked child may wait for a section "
+                   "of a thread that stayed in its parent\n", std::strerror(rc));
   }
 };
 const GateMode g_gate_mode;
@@ -154,7 +160,8 @@ void SectionGate::leave(Ticket t) noexcept {
   t_gate_slot->entry[t].store(0, std::memory_order_release);
   // Scopes end in the reverse order of their start, so this is the top one;
   // should another order ever happen, the stack still shrinks correctly.
-  while (t_gate_top > 0 && t_gate_slot->entry[t_gate_top - 1].load(std::memory_order_relaxed) == 0) --t_gate_top;
+  while (t_gate_top > 0 && t_gate_slot->entry[t_gate_top - 1].load(std::memory_order_relaxed) == 0)
+    --t_gate_top;
 }
 
 void SectionGate::close() noexcept {

@@ -12,7 +12,7 @@
 // the next entry or the tail. Reading every header written back out of the
 // log after each write (to step over frames one by one) was a fifth of the
 // broker thread's time in a stream of 64 B frames (bench_core oneway,
-// perf). The frames between boundary_ and head_, at most about a block's,
+// perf). The frames between boundary_ and head_, at most two blocks',
 // are counted only when asked (frames_written(), clear()).
 
 #include "stream/tx_queue.h"
