@@ -11,10 +11,10 @@
 #
 # Imported target:
 #   Asio::Asio          - INTERFACE target with ASIO_STANDALONE,
-#                         ASIO_NO_DEPRECATED and ASIO_DISABLE_STD_ALIGNED_ALLOC
+#                         ASIO_NO_DEPRECATED and ASIO_HAS_STD_ALIGNED_ALLOC
 #                         compile definitions.
 #
-# ASIO_DISABLE_STD_ALIGNED_ALLOC: Asio decides whether its inline
+# ASIO_HAS_STD_ALIGNED_ALLOC: Asio decides whether its inline
 # aligned_new()/aligned_delete() use std::aligned_alloc and free, or operator
 # new and delete, from _GLIBCXX_HAVE_ALIGNED_ALLOC, which only a libstdc++
 # header defines. A translation unit that includes Asio before any of them
@@ -22,7 +22,11 @@
 # batch) chose operator new while every other chose aligned_alloc; the
 # linker kept one copy of each inline function, and memory was allocated by
 # one and freed by the other (ASan: alloc-dealloc-mismatch in every test
-# that started a broker). Fixed here, for every unit and every consumer.
+# that started a broker). Defined here, every unit makes the choice an
+# ordinary unit makes (one that includes a standard header first), which is
+# also what a user's own units that include <spindle/asio.h> make: so the
+# library's copies of those functions and theirs agree (spindle.pc forces
+# no -DASIO_* on its users).
 #
 # Hint: set Asio_ROOT (or ASIO_ROOT) to the prefix of a custom installation.
 
@@ -62,7 +66,7 @@ if(Asio_FOUND)
     add_library(Asio::Asio INTERFACE IMPORTED)
     set_target_properties(Asio::Asio PROPERTIES
       INTERFACE_INCLUDE_DIRECTORIES "${Asio_INCLUDE_DIR}"
-      INTERFACE_COMPILE_DEFINITIONS "ASIO_STANDALONE;ASIO_NO_DEPRECATED;ASIO_DISABLE_STD_ALIGNED_ALLOC")
+      INTERFACE_COMPILE_DEFINITIONS "ASIO_STANDALONE;ASIO_NO_DEPRECATED;ASIO_HAS_STD_ALIGNED_ALLOC=1")
     # Asio needs threads for its internal mutexes/condition variables.
     if(NOT TARGET Threads::Threads)
       find_package(Threads QUIET)
