@@ -15,8 +15,9 @@ way its users do: Spindle with child.call; Pipe, Queue and zmq by pickling
 (fn, args) and the result; shared_memory by pickle protocol 5 with the
 out-of-band buffers copied into a fresh SharedMemory block per message;
 Mitogen with context.call. Timings: warm-up, then several repetitions,
-median. Nothing is pinned, nothing asserted: the exit status is non-zero
-only when a reply is wrong or a peer fails.
+median; the small calls of every peer and of the floor interleaved.
+Nothing is pinned, nothing asserted: the exit status is non-zero only when
+a reply is wrong or a peer fails.
 
     PYTHONPATH=build/python /usr/bin/python3 bench/python/bench_py.py [--quick] [--json PATH]
 
@@ -499,29 +500,46 @@ def memcpy_fresh_4k_seconds(src):
 # Measurements
 # ---------------------------------------------------------------------------
 
-def time_calls(fn, n, warmup, cpu=None):
-    """Median and p99 of fn's wall time (us); with `cpu` (a list), appends
-    this process's CPU time per call (us, all its threads) to it."""
-    for _ in range(warmup):
-        fn()
-    samples = []
+def time_calls(fns, n, warmup, rounds):
+    """Round-trip times of several callables, interleaved.
+
+    fns maps a name to a callable that makes one round trip. Each of
+    `rounds` rounds times n // rounds calls of every callable in turn, so
+    that all of them see the same mix of the machine's moods: on a 2-vCPU
+    guest whether two processes share a CPU flips from one second to the
+    next, and a peer timed in one stretch could catch the mode that the
+    floor missed. Returns name -> (median us, p99 us, this process's CPU per
+    call in us, all its threads).
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    cpu = dict.fromkeys(fns, 0.0)
     clock = time.perf_counter_ns
-    cpu0 = time.process_time()
-    for _ in range(n):
-        t = clock()
-        fn()
-        samples.append(clock() - t)
-    if cpu is not None:
-        cpu.append((time.process_time() - cpu0) / n * 1e6)
-    samples.sort()
-    return samples[len(samples) // 2] / 1e3, samples[int(0.99 * (len(samples) - 1))] / 1e3
+    per_round = max(n // rounds, 1)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out = samples[name]
+            cpu0 = time.process_time()
+            for _ in range(per_round):
+                t = clock()
+                fn()
+                out.append(clock() - t)
+            cpu[name] += time.process_time() - cpu0
+    result = {}
+    for name, out in samples.items():
+        out.sort()
+        result[name] = (out[len(out) // 2] / 1e3, out[int(0.99 * (len(out) - 1))] / 1e3,
+                        cpu[name] / len(out) * 1e6)
+    return result
 
 
-def small_rtt(peer, n, warmup, cpu=None):
+def echo_call(peer):
     def one():
         if peer.call(echo, 1) != 1:
             raise RuntimeError(f"{peer.name}: wrong reply")
-    return time_calls(one, n, warmup, cpu)
+    return one
 
 
 def in_flight(peer, calls, reps):
@@ -664,7 +682,7 @@ def main():
     ap.add_argument("--mib", type=int, help="the big array's size in MiB (256; --quick 8)")
     opts = ap.parse_args()
     quick = opts.quick
-    n_calls, warmup, reps = (200, 20, 1) if quick else (5000, 500, 5)
+    n_calls, warmup, reps, rounds = (200, 20, 1, 2) if quick else (5000, 500, 5, 20)
     big_reps = 1 if quick else 2
     mib = opts.mib or (8 if quick else 256)
     in_flight_n = 1000
@@ -688,25 +706,28 @@ def main():
     raw = RawPipe(mp)
     messages = SpindleMessages()
 
-    # 1. A small call's round trip.
+    # 1. A small call's round trip, every peer and the floor interleaved.
     # Beside each: the calling process's CPU per call (all its threads; a
     # Spindle caller polls before it sleeps, which the others do not).
-    cpu = []
-    floor_us, floor_p99 = time_calls(raw.rtt, n_calls, warmup, cpu)
-    floor_cpu = cpu[-1]
+    timed = {"raw": raw.rtt, "messages": messages.rtt}
+    timed.update((p.name, echo_call(p)) for p in peers)
+    stats = time_calls(timed, n_calls, warmup, rounds)
+    floor_us, floor_p99, floor_cpu = stats["raw"]
     report.add("py_rtt_raw_pipe_bytes", floor_us, "us")
     report.add("py_rtt_raw_pipe_bytes_caller_cpu", floor_cpu, "us")
     rtts = {}
     for p in peers:
-        med, p99 = small_rtt(p, n_calls, warmup, cpu)
+        med, p99, cpu = stats[p.name]
         rtts[p.name] = med
         report.add(f"py_rtt_call_{p.name}", med, "us", floor_us)
         report.add(f"py_rtt_call_{p.name}_p99", p99, "us", floor_p99)
-        report.add(f"py_rtt_call_{p.name}_caller_cpu", cpu[-1], "us", floor_cpu)
+        report.add(f"py_rtt_call_{p.name}_caller_cpu", cpu, "us", floor_cpu)
     # The same round trip as messages through receivers (no call machinery).
-    med, p99 = time_calls(messages.rtt, n_calls, warmup)
+    med, p99, _ = stats["messages"]
     report.add("py_rtt_messages_spindle", med, "us", floor_us)
     report.add("py_rtt_messages_spindle_p99", p99, "us", floor_p99)
+    notes.append(f"small call: {n_calls} round trips of each peer and of the floor, "
+                 f"interleaved in {rounds} rounds")
 
     # 2. calls in flight at once.
     floor_rate = statistics.median(
