@@ -25,6 +25,12 @@ PYBIND11_MODULE(_spindle, m) {
   m.def("unpack", [](py::handle data, py::handle unpickler) { return unpack(from_bytes(data), unpickler); },
         py::arg("data"), py::arg("unpickler"),
         "msgpack (a _spindle.Payload or bytes) as a Python value; ext type 80 goes to unpickler(bytes); a large bin is a read-only memoryview of it");
+  m.def("decode", [](py::handle data, py::handle trust, py::handle sender, py::handle port) {
+          return decode(from_bytes(data), trust, sender, port);
+        },
+        py::arg("data"), py::arg("trust"), py::arg("sender"), py::arg("port"),
+        "unpack() of what `sender` sent: pickles go to trust.unpickler(sender), asked only if one comes; a Sender in the value sends through port");
+  m.def("_decoding_port", &decoding_port, "The port of the decode() running on this thread, else None");
 
   // The package's exception classes, for C++ exceptions thrown at once
   // (not through a call's outcome): ShutdownError, ChannelError,

@@ -135,6 +135,12 @@ Payload pack(py::handle obj, py::handle pickler);
 // `unpickler` (the package passes pickle.loads, or a function that raises
 // spindle.PickleRefusedError where pickle is not accepted).
 py::object unpack(const Payload& bytes, py::handle unpickler);
+// unpack() as the package decodes what `sender` sent: the unpickler is
+// trust.unpickler(sender) (errors._PickleTrust), asked only if a pickle
+// comes, and a Sender in the value (or in a pickle in it) sends through
+// `port`, which decoding_port() returns while the decode runs (else None).
+py::object decode(const Payload& bytes, py::handle trust, py::handle sender, py::handle port);
+py::object decoding_port();
 py::bytes to_bytes(const Payload& p);
 Payload from_bytes(py::handle b);  // a _spindle.Payload (as it is), or bytes-like (copied)
 

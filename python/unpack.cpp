@@ -7,18 +7,59 @@
 // buffers of an out-of-band pickle (ext 82) are read-only views of the
 // received message, the memfd's mapping when it came as one. A padded value
 // (ext 83, a spindle.Buffer) is the value after its pad; a Sender (ext 84)
-// is bound to the router unpacking it.
+// is bound to the router unpacking it (decode()'s port, which
+// decoding_port() gives while the decode runs).
 // Thread: the caller holds the GIL.
 #include "binding.h"
 
 #include <span>
 #include <string>
+#include <utility>
 
 #include <spindle/codec.h>
 #include <spindle/frame.h>
 
 namespace spindle::python {
 namespace {
+
+// The port a Sender decoded on this thread sends through (borrowed: the
+// caller of decode() holds it for the whole decode). A Sender may also come
+// out of a pickle, which pickle.loads builds through
+// spindle._messages._sender, so the port cannot be an argument: _sender asks
+// decoding_port().
+thread_local PyObject* t_decoding_port = nullptr;
+
+class PortScope {
+ public:
+  explicit PortScope(py::handle port) : outer_(t_decoding_port) { t_decoding_port = port.ptr(); }
+  ~PortScope() { t_decoding_port = outer_; }
+  PortScope(const PortScope&) = delete;
+  PortScope& operator=(const PortScope&) = delete;
+
+ private:
+  PyObject* outer_;
+};
+
+// The unpickler of one decode: the one given (pickle.loads, a function that
+// refuses, or None), or the one a _PickleTrust gives for the sender, asked
+// only when the first pickle comes: most values carry none, and asking is a
+// Python call.
+class Unpickler {
+ public:
+  explicit Unpickler(py::handle given) : fn_(py::reinterpret_borrow<py::object>(given)) {}
+  Unpickler(py::handle trust, py::handle sender) : trust_(trust), sender_(sender) {}
+
+  template <class... Args>
+  py::object operator()(Args&&... args) {
+    if (!fn_) fn_ = trust_.attr("unpickler")(sender_);
+    return fn_(std::forward<Args>(args)...);
+  }
+
+ private:
+  py::object fn_;
+  py::handle trust_, sender_;
+};
+
 
 // An ext 81 body (see pack_ndarray) as a read-only numpy array over `src`.
 py::object unpack_ndarray(const Payload& src, const msgpack::object_ext& ext) {
@@ -53,7 +94,7 @@ py::object unpack_ndarray(const Payload& src, const msgpack::object_ext& ext) {
 
 // An ext 82 body (see pack_pickled_out_of_band): unpickler(bytes,
 // buffers=[read-only memoryviews of the message]).
-py::object unpack_pickled_out_of_band(const Payload& src, const msgpack::object_ext& ext, py::handle unpickler) {
+py::object unpack_pickled_out_of_band(const Payload& src, const msgpack::object_ext& ext, Unpickler& unpickler) {
   const auto* body = reinterpret_cast<const std::uint8_t*>(ext.data());
   auto bad = [] { return py::value_error("spindle: received a malformed out-of-band pickle (ext type 82)"); };
   if (!detail::msgpack_shape_problem({body, ext.size}).empty()) throw bad();
@@ -72,11 +113,11 @@ py::object unpack_pickled_out_of_band(const Payload& src, const msgpack::object_
   return unpickler(py::bytes(data.ptr, data.size), py::arg("buffers") = buffers);
 }
 
-py::object unpack_object(const Payload& src, const msgpack::object& o, py::handle unpickler, int depth);
+py::object unpack_object(const Payload& src, const msgpack::object& o, Unpickler& unpickler, int depth);
 
 // Unpacks exactly one msgpack value that fills `bytes` (inside `src`), by
 // reference: bin, str and ext point into `src`.
-py::object unpack_in(const Payload& src, std::span<const std::uint8_t> bytes, py::handle unpickler, int depth) {
+py::object unpack_in(const Payload& src, std::span<const std::uint8_t> bytes, Unpickler& unpickler, int depth) {
   std::string problem = detail::msgpack_shape_problem(bytes);
   if (!problem.empty())
     throw py::value_error("spindle: received bytes that are not msgpack: value: not one msgpack value (" +
@@ -92,7 +133,7 @@ py::object unpack_in(const Payload& src, std::span<const std::uint8_t> bytes, py
 }
 
 // An ext 83 body (kPaddedExtType): the value after the pad.
-py::object unpack_padded(const Payload& src, const msgpack::object_ext& ext, py::handle unpickler, int depth) {
+py::object unpack_padded(const Payload& src, const msgpack::object_ext& ext, Unpickler& unpickler, int depth) {
   const auto* body = reinterpret_cast<const std::uint8_t*>(ext.data());
   const std::size_t pad = ext.size < 2 ? 0 : (std::size_t{body[0]} << 8) | body[1];
   if (ext.size < 2 || pad > ext.size - 2)
@@ -149,7 +190,7 @@ const char* type_name(const msgpack::object& o) {
   }
 }
 
-py::object unpack_object(const Payload& src, const msgpack::object& o, py::handle unpickler, int depth) {
+py::object unpack_object(const Payload& src, const msgpack::object& o, Unpickler& unpickler, int depth) {
   if (depth > kMaxDepth) throw py::value_error("spindle: received value nested too deeply");
   switch (o.type) {
     case msgpack::type::NIL: return py::none();
@@ -195,14 +236,29 @@ py::object unpack_object(const Payload& src, const msgpack::object& o, py::handl
   throw py::value_error("spindle: received a msgpack value of unknown type");
 }
 
+// Unpacked by reference: bin, str and ext point into `src`, so a large bin
+// becomes a view of the received bytes. They must be one range for that; a
+// message in several slices is joined once (a memfd body never is).
+py::object unpack_whole(const Payload& bytes, Unpickler& unpickler) {
+  Payload src = bytes.contiguous().size() == bytes.size() ? bytes : bytes.owned_copy();
+  return unpack_in(src, src.contiguous(), unpickler, 0);
+}
+
 }  // namespace
 
 py::object unpack(const Payload& bytes, py::handle unpickler) {
-  // Unpacked by reference: bin, str and ext point into `src`, so a large bin
-  // becomes a view of the received bytes. They must be one range for that;
-  // a message in several slices is joined once (a memfd body never is).
-  Payload src = bytes.contiguous().size() == bytes.size() ? bytes : bytes.owned_copy();
-  return unpack_in(src, src.contiguous(), unpickler, 0);
+  Unpickler u(unpickler);
+  return unpack_whole(bytes, u);
+}
+
+py::object decode(const Payload& bytes, py::handle trust, py::handle sender, py::handle port) {
+  PortScope scope(port);
+  Unpickler u(trust, sender);
+  return unpack_whole(bytes, u);
+}
+
+py::object decoding_port() {
+  return t_decoding_port ? py::reinterpret_borrow<py::object>(t_decoding_port) : py::none();
 }
 
 }  // namespace spindle::python

@@ -34,7 +34,7 @@ import weakref
 
 from . import _spindle
 from ._calls import (DEFAULT_TIMEOUT, _PY_CALL, Child, Context, _live, _Owner, _py_call)
-from ._messages import Fd, Message, Receiver, Select, Sender, _decoding
+from ._messages import Fd, Message, Receiver, Select, Sender
 from .errors import (CallError, ChannelError, Error, FdError, PickleRefusedError, ShutdownError,
                      TimeoutError, _format_exception, _pickle_dumps, _PickleTrust)
 
@@ -96,8 +96,8 @@ class ChildEnv:
 
         def handler(data, caller):
             try:
-                with _decoding(port):  # a Sender argument sends through this context
-                    args = _spindle.unpack(data, trust.unpickler(caller))
+                # A Sender argument sends through this context.
+                args = _spindle.decode(data, trust, caller, port)
                 if not isinstance(args, list):
                     raise TypeError("spindle: the arguments are not a msgpack array")
                 return True, _spindle.pack(fn(*args), _pickle_dumps)

@@ -14,7 +14,6 @@ send(..., reply_to=rx).
 """
 
 import os
-import threading
 import weakref
 
 from . import _spindle
@@ -32,23 +31,6 @@ _FD_REASONS = (
 
 # Receivers and Selects alive, for the after-fork hook (_calls.py).
 _live = weakref.WeakSet()
-
-# The port (router) that Senders unpacked on this thread send through: set
-# while a call's arguments, a result or a message is unpacked.
-_current = threading.local()
-
-
-class _decoding:
-    def __init__(self, port):
-        self._port = port
-
-    def __enter__(self):
-        self._outer = getattr(_current, "port", None)
-        _current.port = self._port
-
-    def __exit__(self, *exc):
-        _current.port = self._outer
-
 
 def _fd_numbers(fds):
     """The ints of `fds` (ints or objects with fileno()), checked before anything is sent."""
@@ -172,8 +154,7 @@ def _message(item, receiver):
         if any(dead.startswith(r) for r in _FD_REASONS):
             raise FdError(dead)
         raise ChannelError(dead)
-    with _decoding(receiver._port):
-        value = _spindle.unpack(data, receiver._trust.unpickler(src_id))
+    value = _spindle.decode(data, receiver._trust, src_id, receiver._port)
     return Message(value, fds, src_id, handle, reply_to, receiver)
 
 
@@ -218,7 +199,7 @@ class Sender:
 
 def _sender(context_id, handle):
     """Unpickles a Sender, bound to the router it is unpacked by."""
-    return Sender(context_id, handle, getattr(_current, "port", None))
+    return Sender(context_id, handle, _spindle._decoding_port())
 
 
 class _Waiting:

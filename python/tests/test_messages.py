@@ -150,6 +150,29 @@ def test_a_sender_comes_back_as_a_result_and_still_sends(router, child):
         assert rx.get(timeout=BOUND).data == "through the returned sender"
 
 
+class Envelope:
+    """Not msgpack: travels pickled, with the Sender inside the pickle."""
+
+    def __init__(self, sender, text):
+        self.sender, self.text = sender, text
+
+
+def envelope_back(envelope):
+    """Sends through the Sender it found inside a pickle, then returns one."""
+    envelope.sender.send(envelope.text)
+    return Envelope(envelope.sender, envelope.text + " and back")
+
+
+def test_a_sender_inside_a_pickle_is_bound_to_the_router_that_decodes_it(router, child):
+    with router.receiver() as rx:
+        back = child.call(envelope_back, Envelope(rx.sender, "from the child"))
+        assert rx.get(timeout=BOUND).data == "from the child"  # the child's port sent it
+        assert isinstance(back, Envelope) and back.sender == rx.sender
+        back.sender.send(back.text)  # and this process's port
+        assert rx.get(timeout=BOUND).data == "from the child and back"
+    assert spindle._spindle._decoding_port() is None  # nothing left set on this thread
+
+
 def test_iteration_ends_when_the_receiver_closes(router):
     rx = router.receiver()
     me = router.context(router.id)
