@@ -179,13 +179,14 @@ class Context:
         return Context(self._core, self._owner, seconds)
 
     def _request(self, fn, args, kwargs):
+        """The method's name and the request's value, not yet packed."""
         if isinstance(fn, str):
             if kwargs:
                 raise TypeError("spindle: a function called by name takes positional "
                                 "arguments only (typed calls have no keywords)")
-            return fn, _spindle.pack(list(args), _pickle_dumps)
+            return fn, list(args)
         module, qualname = _function_address(fn)
-        return _PY_CALL, _spindle.pack([module, qualname, list(args), kwargs], _pickle_dumps)
+        return _PY_CALL, [module, qualname, list(args), kwargs]
 
     def call(self, fn, *args, **kwargs):
         """Runs fn(*args, **kwargs) in the context and returns its result.
@@ -195,14 +196,21 @@ class Context:
         C++ or Python; positional arguments only). The GIL is released while
         the call waits.
         """
-        self._owner._check()
-        name, data = self._request(fn, args, kwargs)
-        return self._owner._decode(self._core.call(name, data, self._timeout), self.id)
+        owner = self._owner
+        owner._check()
+        name, value = self._request(fn, args, kwargs)
+        # Packed, called and decoded in one step (_Owner._decode's work).
+        kind, a, b = self._core.call_value(name, value, _pickle_dumps, self._timeout,
+                                           owner._trust, owner._port)
+        if kind == _spindle.OK:
+            return a
+        raise _error_of(kind, a, b)
 
     def call_async(self, fn, *args, **kwargs):
         """call(), returning a concurrent.futures.Future at once."""
         self._owner._check()
-        name, data = self._request(fn, args, kwargs)
+        name, value = self._request(fn, args, kwargs)
+        data = _spindle.pack(value, _pickle_dumps)
         future = concurrent.futures.Future()
         dispatcher = self._owner._dispatcher
         token = dispatcher.register(future, self.id)
