@@ -147,7 +147,7 @@ Payload from_bytes(py::handle b);  // a _spindle.Payload (as it is), or bytes-li
 // How a call ended, as a tuple the package turns into a result or an
 // exception: (kind, a, b) with kind one of these.
 enum Outcome : int {
-  kOk = 0,          // a: the result as a _spindle.Payload
+  kOk = 0,          // a: the result (a _spindle.Payload; from call_value, decoded)
   kCallError = 1,   // a: remote type, b: remote message
   kChannel = 2,     // a: the reason
   kTimeout = 3,     // a: text

@@ -49,34 +49,26 @@ std::chrono::milliseconds to_ms(double seconds) {
 struct PyContext {
   Context ctx;
 
-  py::tuple call(const std::string& name, py::handle args, double timeout) const {
-    Payload result;
-    if (auto error = wait_for(name, from_bytes(args), timeout, result)) return outcome_of(error);
-    return py::make_tuple(static_cast<int>(kOk), payload_object(std::move(result)), py::none());
-  }
-
-  // call() as Context.call makes it: packs `value` (the request) and
-  // decodes the result as this context's (see decode()), so that neither
-  // becomes a _spindle.Payload object in between. The outcome's a is the
-  // result itself.
+  // A blocking call as Context.call makes it: packs `value` (the request),
+  // waits with the GIL released, and decodes the result as this context's
+  // (see decode()), so that neither becomes a _spindle.Payload object in
+  // between. The outcome's a is the result itself.
   py::tuple call_value(const std::string& name, py::handle value, py::handle pickler, double timeout,
                        py::handle trust, py::handle port) const {
-    Payload result;
-    if (auto error = wait_for(name, pack(value, pickler), timeout, result)) return outcome_of(error);
-    return py::make_tuple(static_cast<int>(kOk), decode(result, trust, py::int_(ctx.id()), port), py::none());
-  }
-
-  // The blocking call, the GIL released while it waits: its error, or null
-  // and the result in `result`.
-  std::exception_ptr wait_for(const std::string& name, Payload args, double timeout, Payload& result) const {
+    Payload args = pack(value, pickler);
     Context c = ctx.with_timeout(to_ms(timeout));
-    py::gil_scoped_release nogil;
-    try {
-      result = c.call_named(name, std::move(args));
-    } catch (...) {
-      return std::current_exception();
+    std::exception_ptr error;
+    Payload result;
+    {
+      py::gil_scoped_release nogil;
+      try {
+        result = c.call_named(name, std::move(args));
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
-    return nullptr;
+    if (error) return outcome_of(error);
+    return py::make_tuple(static_cast<int>(kOk), decode(result, trust, py::int_(ctx.id()), port), py::none());
   }
 
   void start_call(const std::string& name, py::handle args, double timeout,
@@ -427,7 +419,6 @@ void bind_runtime_objects(py::module_& m) {
       .def_property_readonly("id", [](const PyContext& c) { return c.ctx.id(); })
       .def_property_readonly("name", [](const PyContext& c) { return c.ctx.name(); })
       .def_property_readonly("pid", [](const PyContext& c) { return c.ctx.pid(); })
-      .def("call", &PyContext::call)
       .def("call_value", &PyContext::call_value)
       .def("start_call", &PyContext::start_call);
 
