@@ -6,6 +6,11 @@
 //   rtt         spindle.echo of 64 B, one call at a time: median and p99,
 //               in rounds that alternate with the floor's.
 //               Floor: 64 B written to `ssh ... cat`, 64 B read back.
+//               Then the same rounds with every process of both sessions
+//               (this one, ssh, sshd, the agent, cat) on one CPU: the
+//               kernel's placement of the chain, which on a 2-vCPU guest
+//               moves either side by 2x (bench/README.md), is then out of
+//               the figure (`ssh_rtt_64B_one_cpu`).
 //   throughput  spindle.echo of 64 KiB with 4, 8 and 32 calls in flight
 //               (256 KiB, 512 KiB, 2 MiB), each answer checked byte for
 //               byte. Floor: the same number of bytes streamed through
@@ -42,6 +47,7 @@
 // Exit status non-zero if a reply was wrong or a session failed, never on a figure.
 #include <fcntl.h>
 #include <pwd.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -57,12 +63,14 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
 #include <spindle/runtime.h>
 #include <spindle/ssh.h>
 
+#include "bench/process_tree.h"
 #include "bench/report.h"
 #include "bench/ssh_floor.h"
 #include "broker/broker.h"
@@ -135,6 +143,25 @@ void spindle_rtt(const Context& remote, int warmup, int iters, std::vector<doubl
     if (back != msg) throw std::runtime_error("spindle.echo of 64 B came back wrong");
     if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
+}
+
+struct RttFigures {
+  bench::Percentiles raw, spindle;
+};
+
+// kRttRounds rounds of the raw session's echo and spindle.echo in turn, so
+// that a change in the machine's load (shared cores) falls on both alike.
+RttFigures rtt_rounds(const Context& remote, bench::RawSshPipe& cat, const Config& cfg) {
+  std::vector<double> raw_us, sp_us;
+  for (int round = 0; round < kRttRounds; ++round) {
+    const int warmup = round == 0 ? cfg.rtt_warmup : 0, iters = cfg.rtt_iters / kRttRounds;
+    std::this_thread::sleep_for(kRoundRest);
+    auto r = cat.rtt(kSmall, warmup, iters);
+    raw_us.insert(raw_us.end(), r.begin(), r.end());
+    std::this_thread::sleep_for(kRoundRest);
+    spindle_rtt(remote, warmup, iters, sp_us);
+  }
+  return {bench::percentiles(raw_us), bench::percentiles(sp_us)};
 }
 
 struct ForkTimes {
@@ -314,18 +341,9 @@ int run(const Config& cfg, bench::Report& report) {
   cat.wait_echo(opts.connect_timeout);
   // In kRttRounds alternating rounds, so that a change in the machine's
   // load (shared cores) falls on both sides alike.
-  std::vector<double> raw_us, sp_us;
   const Broker::Stats lead0 = rt.broker().stats();
-  for (int round = 0; round < kRttRounds; ++round) {
-    const int warmup = round == 0 ? cfg.rtt_warmup : 0, iters = cfg.rtt_iters / kRttRounds;
-    std::this_thread::sleep_for(kRoundRest);
-    auto r = cat.rtt(kSmall, warmup, iters);
-    raw_us.insert(raw_us.end(), r.begin(), r.end());
-    std::this_thread::sleep_for(kRoundRest);
-    spindle_rtt(remote, warmup, iters, sp_us);
-  }
+  const auto [raw, sp] = rtt_rounds(remote, cat, cfg);
   const Broker::Stats lead1 = rt.broker().stats();
-  auto raw = bench::percentiles(raw_us), sp = bench::percentiles(sp_us);
   std::printf("rtt 64 B (median / p99 us, %d calls): spindle.echo %.1f / %.1f, raw ssh cat %.1f / %.1f; "
               "ratio %.2f (target <= %.1f)\n",
               cfg.rtt_iters, sp.median, sp.p99, raw.median, raw.p99, sp.median / raw.median, kRttTarget);
@@ -340,6 +358,27 @@ int run(const Config& cfg, bench::Report& report) {
               static_cast<unsigned long long>(lead1.wait_polls_answered - lead0.wait_polls_answered));
   report.add("ssh_rtt_64B", sp.median, "us", raw.median);
   report.add("ssh_rtt_64B_p99", sp.p99, "us", raw.p99);
+
+  // The same rounds with every process of both sessions on one CPU (the
+  // first this bench may use), where the kernel has no placement to choose:
+  // the figure then holds each side's own work and wake-ups only.
+  {
+    cpu_set_t all, one;
+    if (::sched_getaffinity(0, sizeof all, &all) != 0) throw std::system_error(errno, std::generic_category(), "sched_getaffinity");
+    int cpu = 0;
+    while (!CPU_ISSET(cpu, &all)) ++cpu;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    const auto tree = bench::process_tree(::getpid());
+    bench::set_tree_affinity(tree, one);
+    const auto [raw1, sp1] = rtt_rounds(remote, cat, cfg);
+    bench::set_tree_affinity(bench::process_tree(::getpid()), all);
+    std::printf("rtt 64 B, all %zu processes on CPU %d (median / p99 us): spindle.echo %.1f / %.1f, raw ssh cat "
+                "%.1f / %.1f; ratio %.2f\n",
+                tree.size(), cpu, sp1.median, sp1.p99, raw1.median, raw1.p99, sp1.median / raw1.median);
+    report.add("ssh_rtt_64B_one_cpu", sp1.median, "us", raw1.median);
+    report.add("ssh_rtt_64B_one_cpu_p99", sp1.p99, "us", raw1.p99);
+  }
 
   const std::size_t calls = std::max<std::size_t>(cfg.stream_bytes / kBig, 1);
   const std::string mib = std::to_string(calls * kBig >> 20) + "MiB";
