@@ -57,13 +57,23 @@ inline std::vector<pid_t> process_tree(pid_t root) {
   return tree;
 }
 
-// Sets `mask` on every thread of every process in `pids`.
-inline void set_tree_affinity(const std::vector<pid_t>& pids, const cpu_set_t& mask) {
+// Sets `mask` on every thread of every process in `pids`. Returns how many
+// threads refused it with EPERM (a process of another user, such as a
+// privilege-separated sshd child when the bench runs as root without
+// CAP_SYS_NICE); any other error throws.
+inline int set_tree_affinity(const std::vector<pid_t>& pids, const cpu_set_t& mask) {
+  int refused = 0;
   for (pid_t pid : pids)
-    for (pid_t tid : proc_numbers("/proc/" + std::to_string(pid) + "/task"))
-      if (::sched_setaffinity(tid, sizeof mask, &mask) != 0 && errno != ESRCH)
-        throw std::system_error(errno, std::generic_category(),
-                                "sched_setaffinity(" + std::to_string(tid) + ") of process " + std::to_string(pid));
+    for (pid_t tid : proc_numbers("/proc/" + std::to_string(pid) + "/task")) {
+      if (::sched_setaffinity(tid, sizeof mask, &mask) == 0 || errno == ESRCH) continue;
+      if (errno == EPERM) {
+        ++refused;
+        continue;
+      }
+      throw std::system_error(errno, std::generic_category(),
+                              "sched_setaffinity(" + std::to_string(tid) + ") of process " + std::to_string(pid));
+    }
+  return refused;
 }
 
 }  // namespace spindle::bench

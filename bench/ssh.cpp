@@ -370,14 +370,18 @@ int run(const Config& cfg, bench::Report& report) {
     CPU_ZERO(&one);
     CPU_SET(cpu, &one);
     const auto tree = bench::process_tree(::getpid());
-    bench::set_tree_affinity(tree, one);
-    const auto [raw1, sp1] = rtt_rounds(remote, cat, cfg);
+    if (const int refused = bench::set_tree_affinity(tree, one); refused > 0) {
+      std::printf("rtt 64 B on one CPU: not measured, %d threads of the sessions' processes refused to move "
+                  "(EPERM)\n", refused);
+    } else {
+      const auto [raw1, sp1] = rtt_rounds(remote, cat, cfg);
+      std::printf("rtt 64 B, all %zu processes on CPU %d (median / p99 us): spindle.echo %.1f / %.1f, raw ssh "
+                  "cat %.1f / %.1f; ratio %.2f\n",
+                  tree.size(), cpu, sp1.median, sp1.p99, raw1.median, raw1.p99, sp1.median / raw1.median);
+      report.add("ssh_rtt_64B_one_cpu", sp1.median, "us", raw1.median);
+      report.add("ssh_rtt_64B_one_cpu_p99", sp1.p99, "us", raw1.p99);
+    }
     bench::set_tree_affinity(bench::process_tree(::getpid()), all);
-    std::printf("rtt 64 B, all %zu processes on CPU %d (median / p99 us): spindle.echo %.1f / %.1f, raw ssh cat "
-                "%.1f / %.1f; ratio %.2f\n",
-                tree.size(), cpu, sp1.median, sp1.p99, raw1.median, raw1.p99, sp1.median / raw1.median);
-    report.add("ssh_rtt_64B_one_cpu", sp1.median, "us", raw1.median);
-    report.add("ssh_rtt_64B_one_cpu_p99", sp1.p99, "us", raw1.p99);
   }
 
   const std::size_t calls = std::max<std::size_t>(cfg.stream_bytes / kBig, 1);
