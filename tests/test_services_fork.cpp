@@ -97,12 +97,18 @@ TEST(ServicesPolicy, EachPolicyAcceptsAndRefusesRealCallers) {
 }
 
 // A forked child's life in the tests below: its own pool serving child.pid.
+// The service is hosted from the start (ServiceHost's `initial`), as
+// services/host.h asks: the parent calls as soon as the child is connected,
+// and a host built empty and given the service just after can receive that
+// call in between, once a pool worker that waits for work leads the child's
+// loop. CI saw it once under ASan (2026-12-02: "unknown service: child").
 int serve_pid(ChildEnv& env) {
   services::Pool pool(pool_of(2));
-  services::ServiceHost host(env.router(), pool);
   auto svc = std::make_unique<Service>("child");
   svc->expose("pid", Access::any(), [](Request&) { return Payload::copy_of(std::to_string(::getpid())); });
-  host.add(std::move(svc));
+  std::vector<std::unique_ptr<Service>> initial;
+  initial.push_back(std::move(svc));
+  services::ServiceHost host(env.router(), pool, std::move(initial));
   env.serve();
   return 0;
 }
