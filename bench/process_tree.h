@@ -13,14 +13,12 @@
 #include <dirent.h>
 #include <sched.h>
 #include <sys/types.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
-#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <vector>

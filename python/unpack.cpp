@@ -60,7 +60,6 @@ class Unpickler {
   py::handle trust_, sender_;
 };
 
-
 // An ext 81 body (see pack_ndarray) as a read-only numpy array over `src`.
 py::object unpack_ndarray(const Payload& src, const msgpack::object_ext& ext) {
   const auto* body = reinterpret_cast<const std::uint8_t*>(ext.data());
