@@ -46,6 +46,34 @@ static_assert(sizeof(GateSlot) == 64, "a slot is one cache line");
 
 GateSlot g_gate_slots[kGateSlots];
 
+// Which slots are owned, a bit each: what empty() and the fork handler
+// visit, so that neither touches the whole 64 KiB table. Visiting every slot
+// cost a forked child 16 page faults in its atfork handler (it wrote each
+// slot, and each write to a page shared with the parent copies that page),
+// and every closer a read of 1,024 cache lines. A slot's bit is set after
+// its claim and before its first mark, and cleared after its marks are
+// zeroed, so a slot with a mark always has its bit.
+constexpr std::size_t kGateWords = kGateSlots / 64;
+std::atomic<std::uint64_t> g_gate_owned[kGateWords];
+
+std::size_t slot_index(const GateSlot* s) { return static_cast<std::size_t>(s - g_gate_slots); }
+void set_owned_bit(const GateSlot* s) {
+  const std::size_t i = slot_index(s);
+  g_gate_owned[i / 64].fetch_or(std::uint64_t{1} << (i % 64), std::memory_order_seq_cst);
+}
+void clear_owned_bit(const GateSlot* s) {
+  const std::size_t i = slot_index(s);
+  g_gate_owned[i / 64].fetch_and(~(std::uint64_t{1} << (i % 64)), std::memory_order_seq_cst);
+}
+
+// Calls fn(GateSlot&) for each slot whose bit is set.
+template <class F>
+void for_each_owned_slot(F&& fn) {
+  for (std::size_t w = 0; w < kGateWords; ++w)
+    for (std::uint64_t bits = g_gate_owned[w].load(std::memory_order_acquire); bits != 0; bits &= bits - 1)
+      fn(g_gate_slots[w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits))]);
+}
+
 long gate_membarrier(int cmd) { return ::syscall(SYS_membarrier, cmd, 0, 0); }
 
 bool register_gate_membarrier() {
@@ -65,6 +93,7 @@ struct GateSlotReturn {
   ~GateSlotReturn() {
     if (!t_gate_slot) return;
     for (auto& e : t_gate_slot->entry) e.store(0, std::memory_order_relaxed);
+    clear_owned_bit(t_gate_slot);
     t_gate_slot->owned.store(false, std::memory_order_release);
     t_gate_slot = nullptr;
     t_gate_top = 0;
@@ -80,8 +109,10 @@ GateSlot* claim_gate_slot() {
     GateSlot& s = g_gate_slots[(start + i) % kGateSlots];
     bool expect = false;
     if (!s.owned.load(std::memory_order_relaxed) &&
-        s.owned.compare_exchange_strong(expect, true, std::memory_order_acquire))
+        s.owned.compare_exchange_strong(expect, true, std::memory_order_acquire)) {
+      set_owned_bit(&s);
       return t_gate_slot = &s;
+    }
   }
   return nullptr;
 }
@@ -92,13 +123,16 @@ GateSlot* my_gate_slot() {
 }
 
 // In a forked child the other threads are gone, and with them any section
-// they were in.
+// they were in. Only owned slots are written (see g_gate_owned). A thread
+// that forked between its claim and its bit leaves that slot owned in the
+// child with no mark in it: one slot of the table lost there, nothing more.
 void clear_other_gate_slots_in_child() {
-  for (GateSlot& s : g_gate_slots) {
-    if (&s == t_gate_slot) continue;
+  for_each_owned_slot([](GateSlot& s) {
+    if (&s == t_gate_slot) return;
     for (auto& e : s.entry) e.store(0, std::memory_order_relaxed);
     s.owned.store(false, std::memory_order_relaxed);
-  }
+    clear_owned_bit(&s);
+  });
 }
 
 // Set up while the library loads, before any gate is used (a gate used
@@ -172,10 +206,12 @@ void SectionGate::close() noexcept {
 bool SectionGate::empty() const noexcept {
   if (shared_.load(std::memory_order_acquire) != 0) return false;
   const auto self = reinterpret_cast<std::uintptr_t>(this);
-  for (const GateSlot& s : g_gate_slots)
+  bool inside = false;
+  for_each_owned_slot([&](const GateSlot& s) {
     for (const auto& e : s.entry)
-      if (e.load(std::memory_order_acquire) == self) return false;
-  return true;
+      if (e.load(std::memory_order_acquire) == self) inside = true;
+  });
+  return !inside;
 }
 
 void SectionGate::close_and_wait() noexcept {

@@ -26,6 +26,10 @@
 // correct, only slower. The gate itself is a cache line of its own: every
 // enter() reads closed_, and nothing near it should be written.
 //
+// A bitmap of the owned slots (two cache lines, written only when a thread
+// claims or gives back its slot) is what a closer and the fork handler
+// visit, not the whole 64 KiB table.
+//
 // Fork: the child's only thread is the one that forked. The marks of the
 // others are cleared in the child, so a closer there never waits for a
 // thread that does not exist (the gate's shared counter keeps what those

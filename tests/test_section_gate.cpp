@@ -189,5 +189,47 @@ TEST(SectionGate, AForkedChildDoesNotWaitForAThreadThatStayedInTheParent) {
   EXPECT_TRUE(g.empty());
 }
 
+TEST(SectionGate, AForkedChildKeepsTheSectionItsOwnThreadIsIn) {
+  // The forking thread's own mark survives into the child: a closer there
+  // waits for it, as it would have in the parent.
+  SectionGate g;
+  std::thread other([&] { SectionGate::Scope s(g); });  // owns a slot, then gives it back
+  other.join();
+  pid_t pid;
+  {
+    SectionGate::Scope s(g);
+    ASSERT_TRUE(s);
+    pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      g.close();
+      const bool seen_inside = !g.empty();
+      ::_exit(seen_inside ? 0 : 1);
+    }
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the child's closer did not see its own section";
+}
+
+TEST(SectionGate, ALiveThreadsMarkIsFoundAfterOthersGaveTheirSlotsBack) {
+  // empty() visits only the slots marked owned: 200 threads claim a slot
+  // and give it back, and the mark of the one still inside is found.
+  SectionGate g;
+  for (int i = 0; i < 200; ++i) std::thread([&] { SectionGate::Scope s(g); }).join();
+  std::atomic<bool> inside{false}, leave{false};
+  std::thread t([&] {
+    SectionGate::Scope s(g);
+    inside = true;
+    while (!leave.load()) std::this_thread::sleep_for(1ms);
+  });
+  while (!inside.load()) std::this_thread::sleep_for(1ms);
+  g.close();
+  EXPECT_FALSE(g.empty());
+  leave = true;
+  t.join();
+  EXPECT_TRUE(g.empty());
+}
+
 }  // namespace
 }  // namespace spindle
