@@ -163,15 +163,31 @@ TEST(SectionGate, MoreThreadsAtOnceThanSlotsStillCount) {
   EXPECT_TRUE(g.empty());
 }
 
+// A thread that enters `g` and stays inside until release().
+class ThreadInside {
+ public:
+  explicit ThreadInside(SectionGate& g)
+      : thread_([this, &g] {
+          SectionGate::Scope s(g);
+          inside_ = true;
+          while (!leave_.load()) std::this_thread::sleep_for(1ms);
+        }) {
+    while (!inside_.load()) std::this_thread::sleep_for(1ms);
+  }
+  ~ThreadInside() { release(); }
+  void release() {
+    leave_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::atomic<bool> inside_{false}, leave_{false};
+  std::thread thread_;
+};
+
 TEST(SectionGate, AForkedChildDoesNotWaitForAThreadThatStayedInTheParent) {
   SectionGate g;
-  std::atomic<bool> inside{false}, leave{false};
-  std::thread t([&] {
-    SectionGate::Scope s(g);
-    inside = true;
-    while (!leave.load()) std::this_thread::sleep_for(1ms);
-  });
-  while (!inside.load()) std::this_thread::sleep_for(1ms);
+  ThreadInside t(g);
   pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
@@ -184,8 +200,7 @@ TEST(SectionGate, AForkedChildDoesNotWaitForAThreadThatStayedInTheParent) {
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
   g.close();
   EXPECT_FALSE(g.empty()) << "in the parent the thread is still inside";
-  leave = true;
-  t.join();
+  t.release();
   EXPECT_TRUE(g.empty());
 }
 
@@ -217,17 +232,10 @@ TEST(SectionGate, ALiveThreadsMarkIsFoundAfterOthersGaveTheirSlotsBack) {
   // and give it back, and the mark of the one still inside is found.
   SectionGate g;
   for (int i = 0; i < 200; ++i) std::thread([&] { SectionGate::Scope s(g); }).join();
-  std::atomic<bool> inside{false}, leave{false};
-  std::thread t([&] {
-    SectionGate::Scope s(g);
-    inside = true;
-    while (!leave.load()) std::this_thread::sleep_for(1ms);
-  });
-  while (!inside.load()) std::this_thread::sleep_for(1ms);
+  ThreadInside t(g);
   g.close();
   EXPECT_FALSE(g.empty());
-  leave = true;
-  t.join();
+  t.release();
   EXPECT_TRUE(g.empty());
 }
 
