@@ -66,12 +66,14 @@ void clear_owned_bit(const GateSlot* s) {
   g_gate_owned[i / 64].fetch_and(~(std::uint64_t{1} << (i % 64)), std::memory_order_seq_cst);
 }
 
-// Calls fn(GateSlot&) for each slot whose bit is set.
+// Calls fn(GateSlot&) for each slot whose bit is set, until fn returns
+// true; returns whether one did.
 template <class F>
-void for_each_owned_slot(F&& fn) {
+bool any_owned_slot(F&& fn) {
   for (std::size_t w = 0; w < kGateWords; ++w)
     for (std::uint64_t bits = g_gate_owned[w].load(std::memory_order_acquire); bits != 0; bits &= bits - 1)
-      fn(g_gate_slots[w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits))]);
+      if (fn(g_gate_slots[w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits))])) return true;
+  return false;
 }
 
 long gate_membarrier(int cmd) { return ::syscall(SYS_membarrier, cmd, 0, 0); }
@@ -127,11 +129,13 @@ GateSlot* my_gate_slot() {
 // that forked between its claim and its bit leaves that slot owned in the
 // child with no mark in it: one slot of the table lost there, nothing more.
 void clear_other_gate_slots_in_child() {
-  for_each_owned_slot([](GateSlot& s) {
-    if (&s == t_gate_slot) return;
-    for (auto& e : s.entry) e.store(0, std::memory_order_relaxed);
-    s.owned.store(false, std::memory_order_relaxed);
-    clear_owned_bit(&s);
+  any_owned_slot([](GateSlot& s) {
+    if (&s != t_gate_slot) {
+      for (auto& e : s.entry) e.store(0, std::memory_order_relaxed);
+      s.owned.store(false, std::memory_order_relaxed);
+      clear_owned_bit(&s);
+    }
+    return false;  // every one
   });
 }
 
@@ -206,12 +210,11 @@ void SectionGate::close() noexcept {
 bool SectionGate::empty() const noexcept {
   if (shared_.load(std::memory_order_acquire) != 0) return false;
   const auto self = reinterpret_cast<std::uintptr_t>(this);
-  bool inside = false;
-  for_each_owned_slot([&](const GateSlot& s) {
+  return !any_owned_slot([self](const GateSlot& s) {
     for (const auto& e : s.entry)
-      if (e.load(std::memory_order_acquire) == self) inside = true;
+      if (e.load(std::memory_order_acquire) == self) return true;
+    return false;
   });
-  return !inside;
 }
 
 void SectionGate::close_and_wait() noexcept {
