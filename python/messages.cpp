@@ -30,6 +30,7 @@
 #include "binding.h"
 
 #include <Python.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -318,10 +319,29 @@ struct PyReceiver {
 
 struct PyPort {
   Context self;
+  pid_t pid = ::getpid();  // the process whose router this is
+
+  // In an os.fork() child, a copy of the parent's port refers to a router
+  // whose broker thread is not there: a send would queue where nothing
+  // writes it (and block once the queue is full), a receiver or a batch
+  // would wait for that thread forever, and whatever did go out would go
+  // down the link the parent shares. The after-fork hook closes the
+  // package's Routers and Connections, but a Sender holds the port itself,
+  // so the port checks. getpid() is a syscall of well under a microsecond,
+  // small beside packing the value.
+  void check_process() const {
+    const pid_t here = ::getpid();
+    if (here != pid)
+      throw ShutdownError("spindle: this Sender's router belongs to pid " + std::to_string(pid) +
+                          ", not to this process (pid " + std::to_string(here) +
+                          "): it was inherited through a fork and cannot send or receive here "
+                          "(make a new Router or Connection in the child)");
+  }
 
   // Sends msgpack `data` to (dst, handle) with duplicates of `fds`.
   void send(std::uint32_t dst, std::uint32_t handle, py::handle data, const std::vector<int>& fds,
             std::uint32_t reply_to) const {
+    check_process();
     if (fds.size() > kMaxFdsPerMessage)
       throw py::value_error("spindle: " + std::to_string(fds.size()) + " fds exceed the limit of " +
                             std::to_string(kMaxFdsPerMessage) + " per message");
@@ -372,8 +392,14 @@ void bind_messages(py::module_& m) {
       .def_property_readonly("id", [](const PyPort& p) { return p.self.router().id(); })
       .def("send", &PyPort::send, py::arg("dst"), py::arg("handle"), py::arg("data"), py::arg("fds"),
            py::arg("reply_to"))
-      .def("receiver", [](const PyPort& p) { return std::make_shared<PyReceiver>(p.self); })
-      .def("batch", [](const PyPort& p) { return std::make_unique<PyBatch>(p.self); });
+      .def("receiver", [](const PyPort& p) {
+        p.check_process();
+        return std::make_shared<PyReceiver>(p.self);
+      })
+      .def("batch", [](const PyPort& p) {
+        p.check_process();
+        return std::make_unique<PyBatch>(p.self);
+      });
 
   py::class_<PyBatch, std::unique_ptr<PyBatch>>(m, "SendBatch")
       .def("__enter__", &PyBatch::enter, py::return_value_policy::reference_internal)

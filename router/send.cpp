@@ -34,6 +34,7 @@
 #include "broker/errors.h"
 #include "broker/futex.h"
 #include "broker/log.h"
+#include "broker/summary_log.h"
 #include "router/reasons.h"
 #include "router/router.h"
 
@@ -124,7 +125,10 @@ void Router::post_reply(Message msg) {
   try {
     submit(h, {}, &msg, kDefaultSendTimeout, false, 0, /*reply=*/true);
   } catch (const std::exception& e) {
-    log().info("reply to context {} handle {} not sent: {}", h.dst_id, h.handle, e.what());
+    // Its cause is often the receiver's doing (a tiny max_message_size, a
+    // full queue), as often as it calls: summed up, not a line per reply.
+    static SummaryLog unsent(spdlog::level::info);
+    unsent.note([&] { return fmt::format("reply to context {} handle {} not sent: {}", h.dst_id, h.handle, e.what()); });
   }
 }
 

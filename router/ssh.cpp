@@ -247,11 +247,15 @@ void bootstrap(SshPipes& pipes, const AgentImage& agent, SshSession& session, Cl
       ssize_t r = ::read(pipes.link, &c, 1);
       if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       if (r <= 0) throw Error(fail("the remote command ended before the agent started"));
+      // Every byte counts, newlines too: a remote shell that prints endless
+      // empty lines (a login script running `yes ''`) must fail here, not
+      // spin until the connect timeout. The answer's own line is short, so
+      // counting it as well never refuses a real bootstrap.
+      if (++junk > kMaxBootstrapJunk)
+        throw Error(fmt::format("ssh to {}: the remote shell printed over {} bytes instead of the bootstrap's "
+                                "answer", session.host, kMaxBootstrapJunk));
       if (c != '\n') {
         if (line.size() < kMaxLine) line.push_back(c);
-        if (++junk > kMaxBootstrapJunk)
-          throw Error(fmt::format("ssh to {}: the remote shell printed over {} bytes instead of the bootstrap's "
-                                  "answer", session.host, kMaxBootstrapJunk));
         continue;
       }
       if (line == kBootstrapRun) return;

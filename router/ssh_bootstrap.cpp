@@ -28,20 +28,33 @@ namespace {
 
 // The script sh runs (see the header for its rules: no ', \ or newline).
 constexpr std::string_view kScript =
-    "umask 077; h=$1; n=$2; c=$3; d=$4; "
-    "case $d in /*) ;; *) d=$HOME/$d ;; esac; "
+    "umask 077; set -f; h=$1; n=$2; c=$3; d=$4; a=$7; "
+    "case $d in /*) ;; *) d=$HOME/$d ;; esac; r=$d; "
     "s=$(uname -s); m=$(uname -m); "
     "if [ \"$s $m\" != \"$5 $6\" ]; then "
     "echo \"spindle: the remote host is $s $m, but the agent is built for $5 $6\" >&2; exit 97; fi; "
+    // The cache must be ours alone: whoever can write to it, or to a
+    // directory above it, could swap the agent between its check and its exec.
+    "no() { echo \"spindle: will not run an agent from $r: $1\" >&2; exit 96; }; "
+    "mkdir -p \"$d\" || no \"it cannot be created\"; "
+    "d=$(cd -P \"$d\" && pwd -P) || no \"it cannot be entered\"; u=$(id -u); q=$d; "
+    "while :; do l=$(ls -ldn \"$q\") || no \"$q cannot be inspected\"; set -- $l; "
+    "case $1 in d*) ;; *) no \"$q is not a directory\" ;; esac; "
+    "[ \"$3\" = \"$u\" ] || { [ \"$3\" = 0 ] && [ \"$q\" != \"$d\" ]; } || no \"$q belongs to uid $3, not to uid $u\"; "
+    "case $1 in ?????w*|????????w*) "
+    "case $1 in ?????????[tT]*) [ \"$q\" != \"$d\" ] ;; *) false ;; esac || "
+    "no \"other users can write to $q (chmod go-w it)\" ;; esac; "
+    "[ \"$q\" = / ] && break; q=${q%/*}; q=${q:-/}; done; "
     "f=$d/spindle-agent-$h; "
     "v() { if command -v sha256sum >/dev/null 2>&1; then [ \"$(sha256sum < \"$1\")\" = \"$h  -\" ]; "
+    "elif command -v shasum >/dev/null 2>&1; then [ \"$(shasum -a 256 < \"$1\")\" = \"$h  -\" ]; "
     "else [ \"$(cksum < \"$1\")\" = \"$c $n\" ]; fi; }; "
-    "if [ -f \"$f\" ] && [ -x \"$f\" ] && v \"$f\"; then echo SPINDLE-RUN; else "
-    "mkdir -p \"$d\" || exit 98; t=$d/.upload-$$; rm -f \"$t\"; echo SPINDLE-SEND; "
+    "if [ ! -h \"$f\" ] && [ -f \"$f\" ] && [ -x \"$f\" ] && v \"$f\"; then echo SPINDLE-RUN; else "
+    "t=$d/.upload-$$; rm -f \"$t\"; echo SPINDLE-SEND; "
     "head -c \"$n\" > \"$t\" && v \"$t\" && chmod 700 \"$t\" && mv -f \"$t\" \"$f\" || "
     "{ rm -f \"$t\"; echo \"spindle: the agent upload to $f failed or does not match its checksum\" >&2; "
     "exit 98; }; fi; "
-    "SPINDLE_FD=stdio; SPINDLE_CONTEXT_NAME=$7; export SPINDLE_FD SPINDLE_CONTEXT_NAME; exec \"$f\"";
+    "SPINDLE_FD=stdio; SPINDLE_CONTEXT_NAME=$a; export SPINDLE_FD SPINDLE_CONTEXT_NAME; exec \"$f\"";
 
 bool plain(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||

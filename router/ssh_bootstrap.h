@@ -8,9 +8,14 @@
 // checked here against a plain character set, never escaped.
 //
 // The script refuses a host whose `uname -s`/`uname -m` differ from this
-// agent's (exit 97, one stderr line that says both). If
-// <dir>/spindle-agent-<sha256> exists and its checksum matches (sha256sum,
-// or cksum where there is none), it prints "SPINDLE-RUN". Otherwise it
+// agent's (exit 97, one stderr line that says both). It refuses a cache
+// that anyone but us could write to (exit 96): <dir>, resolved to its
+// physical path, must be ours and writable by no one else, and each
+// directory above it ours or root's and writable by no one else (or
+// sticky), since whoever can write there could swap the agent between its
+// check and its exec. If <dir>/spindle-agent-<sha256> is a regular file (not
+// a symlink) and its checksum matches (sha256sum, shasum -a 256, or cksum
+// where there is neither), it prints "SPINDLE-RUN". Otherwise it
 // prints "SPINDLE-SEND", reads exactly <size> bytes from stdin into a
 // temporary file of mode 0600, verifies it, makes it 0700 and renames it
 // into place (exit 98 if any step fails). Then it execs the agent with the
@@ -43,6 +48,7 @@ struct AgentImage {
 
 inline constexpr std::string_view kBootstrapRun = "SPINDLE-RUN";
 inline constexpr std::string_view kBootstrapSend = "SPINDLE-SEND";
+inline constexpr int kBootstrapUnsafeCache = 96;
 inline constexpr int kBootstrapWrongHost = 97;
 inline constexpr int kBootstrapUploadFailed = 98;
 

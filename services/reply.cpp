@@ -29,7 +29,13 @@ void send_dead_reply(Router& router, const Message& request, std::string_view re
   try {
     router.route(Message::dead_reply(request, reason));
   } catch (const std::exception& e) {
-    log().warn("cannot send dead reply to context {} ({:?}): {}", request.header.src_id, reason, e.what());
+    // A peer that takes no frame this large (its max_message_size) meets
+    // this on every call it makes: summed up, not a line per call.
+    static SummaryLog unsent(spdlog::level::warn);
+    unsent.note([&] {
+      return fmt::format("cannot send dead reply to context {} ({:?}): {}", request.header.src_id, reason,
+                         e.what());
+    });
   }
 }
 
@@ -100,7 +106,8 @@ bool ReplyState::answer(Kind kind, Payload data, std::string_view type, std::str
         case Kind::kDead: send_dead_reply(router_, req, text); break;
       }
     } catch (const std::exception& e) {
-      log().warn("cannot answer service call from context {}: {}", h.src_id, e.what());
+      static SummaryLog unanswered(spdlog::level::warn);
+      unanswered.note([&] { return fmt::format("cannot answer service call from context {}: {}", h.src_id, e.what()); });
     }
   }
   return true;

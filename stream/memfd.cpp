@@ -198,7 +198,7 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::copy_of(const Payload& bytes) {
 
 std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& error,
                                                       std::shared_ptr<Account> account,
-                                                      PeerCharge how) {
+                                                      PeerCharge how, std::shared_ptr<void> fd_charge) {
   int seals = ::fcntl(fd.get(), F_GET_SEALS);
   if (seals < 0) {
     error = fmt::format("not a memfd (F_GET_SEALS: {})", errno_text(errno));
@@ -225,6 +225,7 @@ std::shared_ptr<const SealedMemfd> SealedMemfd::adopt(UniqueFd fd, std::string& 
   }
   auto m = std::make_shared<SealedMemfd>(std::move(fd), size);
   if (account) m->charge_ = Charge(std::move(account), size);
+  m->fd_charge_ = std::move(fd_charge);
   return m;
 }
 

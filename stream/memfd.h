@@ -56,9 +56,13 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   // body costs it its mapped size, whether or not it is ever mapped. With
   // kWithinLimits, a body that does not fit the account's allowance is
   // refused the same way (an untrusted peer; see StreamOptions::untrusted).
+  // `fd_charge` (the FdBudget charge of the batch the fd came in) is held
+  // as long as the memfd is: whatever keeps the body (a reply that echoes
+  // it, a view of it) keeps its fd open, and so keeps it charged.
   static std::shared_ptr<const SealedMemfd> adopt(UniqueFd fd, std::string& error,
                                                    std::shared_ptr<Account> account = nullptr,
-                                                   PeerCharge how = PeerCharge::kAlways);
+                                                   PeerCharge how = PeerCharge::kAlways,
+                                                   std::shared_ptr<void> fd_charge = nullptr);
 
   int fd() const { return fd_.get(); }
   std::size_t size() const { return size_; }
@@ -98,6 +102,7 @@ class SealedMemfd : public std::enable_shared_from_this<SealedMemfd> {
   UniqueFd fd_;
   std::size_t size_;
   Charge charge_;
+  std::shared_ptr<void> fd_charge_;
 };
 
 // `bytes` (a payload of at least the memfd threshold) ready to travel as a

@@ -523,7 +523,11 @@ void Stream::deliver(InFrame& f) {
 }
 
 void Stream::protocol_error(const ParseResult& r) {
-  log().warn("stream={} protocol error: {}; disconnecting", name(), r.error);
+  // One line a connection would let a client that connects, sends garbage
+  // and reconnects write the log at its own rate: summed up past a burst.
+  static SummaryLog protocol_errors(spdlog::level::warn, 20);
+  protocol_errors.note(
+      [&] { return fmt::format("stream={} protocol error: {}; disconnecting", name(), r.error); });
   listener_->on_stream_invalid(*this, r);
   close_reason_ = "protocol error: " + r.error;
   close_after_flush_ = true;

@@ -163,7 +163,7 @@ bool Stream::bind_fds(Message& m) {
   }
   if (prefix->memfd_body()) {
     std::string err;
-    auto body = SealedMemfd::adopt(std::move(fds.front()), err, account_, peer_charge());
+    auto body = SealedMemfd::adopt(std::move(fds.front()), err, account_, peer_charge(), charge);
     fds.erase(fds.begin());
     if (body && body->size() > opts_.max_message_size) err = too_large(body->size());
     if (body && err.empty() && prefix->memfd_range()) err = view_memfd_range(m, *body);

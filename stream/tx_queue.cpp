@@ -138,12 +138,24 @@ void TxQueue::append_raw(const std::uint8_t* p, std::size_t n) {
   append_frame(std::move(f));
 }
 
+// The memory an entry keeps alive in this process: a streamed memfd is
+// mapped one window at a time, the rest is held whole until written.
+std::size_t TxQueue::held_bytes(const TxFrame& f) {
+  return f.size() - (f.streamed ? f.streamed_len - std::min(f.streamed_len, kStreamWindow) : 0);
+}
+
+void TxQueue::charge_entry(Entry& e) {
+  e.held = held_bytes(e.frame);
+  if (account_) account_->charge(e.held);
+}
+
 void TxQueue::append_frame(TxFrame&& f) {
   queued_ += f.charged;
   Entry e;
   e.at = tail_;
   e.inline_before = inline_frames_;
   e.frame = std::move(f);
+  charge_entry(e);
   frames_.push_back(std::move(e));
 }
 
@@ -154,6 +166,7 @@ void TxQueue::push_front_frame(TxFrame&& f) {
   e.inline_before = inline_index_at(head_);
   e.sent = f.skip;
   e.frame = std::move(f);
+  charge_entry(e);
   frames_.push_front(std::move(e));
 }
 
@@ -172,7 +185,9 @@ TxFrame TxQueue::pop_head_frame() {
 }
 
 void TxQueue::pop_front_entry() {
-  unmap_window(frames_.front());
+  Entry& e = frames_.front();
+  unmap_window(e);
+  if (account_ && e.held) account_->release(e.held);
   frames_.pop_front();
 }
 

@@ -9,10 +9,15 @@
 // order with the frames around it. Nothing here allocates in steady state:
 // blocks return to the pool, and the entry ring keeps its capacity.
 //
-// Accounting: every block the queue holds is charged to the peer's Account
-// (the memory a peer that does not read makes us hold), and the queue counts
-// the bytes queued for the stream's high-water mark: inline bytes one for one,
-// entries at the charge their producer gave them.
+// Accounting: everything the queue holds is charged to the peer's Account
+// (the memory a peer that does not read makes us hold): each block, and each
+// entry at the bytes it keeps alive (its body, or the window mapped of a
+// streamed memfd), whoever made it. A reply the router writes for the peer is
+// never refused at the gauge (the peer asked for it), so this charge is what
+// bounds a peer that asks for large answers and never reads them: its
+// account goes over, reading it pauses, and the stall rule ends it. The queue
+// also counts the bytes queued for the stream's high-water mark: inline bytes
+// one for one, entries at the charge their producer gave them.
 //
 // Thread safety: broker thread only. Ownership: owned by one Stream; borrows
 // the Account, which the stream keeps alive.
@@ -158,6 +163,7 @@ class TxQueue {
     std::uint64_t inline_before = 0;  // inline frames queued before it
     TxFrame frame;
     std::size_t sent = 0;
+    std::size_t held = 0;  // charged to the account while queued (held_bytes)
     std::size_t window_at = 0, window_len = 0;  // mapped window (streamed)
     void* window = nullptr;
   };
@@ -178,6 +184,8 @@ class TxQueue {
   void sync_boundary();
   bool map_window(Entry& e, std::size_t off, std::string& error);
   static void unmap_window(Entry& e);
+  static std::size_t held_bytes(const TxFrame& f);
+  void charge_entry(Entry& e);
   void pop_front_entry();
 
   Account* account_;

@@ -18,6 +18,7 @@
 #include "services/builtin.h"
 #include "services/client.h"
 #include "tests/listener_test_util.h"
+#include "tools/options.h"
 
 namespace spindle {
 namespace test_router_program {
@@ -46,6 +47,63 @@ TEST(RouterProgram, HelpVersionAndUsageErrors) {
   EXPECT_TRUE(contains(out, "--wait-spin: '2000000' is out of range (0 to 1000000)")) << out;
   EXPECT_EQ(exit_code(run_program({SPINDLE_CTL_BINARY, "frobnicate"}, &out, dir.path())), 2);
   EXPECT_TRUE(contains(out, "unknown command")) << out;
+}
+
+// Durations are finite numbers: from_chars reads "nan" and "inf", and NaN
+// passed the range check (every comparison with it is false).
+TEST(RouterProgram, ADurationIsAFiniteNumber) {
+  using tools::parse_duration;
+  EXPECT_EQ(parse_duration("--grace", "500ms"), 500ms);
+  EXPECT_EQ(parse_duration("--grace", "1.5"), 1500ms);
+  EXPECT_EQ(parse_duration("--grace", "2s"), 2000ms);
+  EXPECT_EQ(parse_duration("--grace", "0"), 0ms);
+  EXPECT_EQ(parse_duration("--grace", "86400s"), 86400000ms);
+  for (const char* bad : {"nan", "NaN", "nans", "nanms", "-nan", "nan(1)", "inf", "infs", "-inf", "infinity",
+                          "1e999", "-1s", "86401s", "5m", "s", ""}) {
+    try {
+      parse_duration("--grace", bad);
+      ADD_FAILURE() << "'" << bad << "' was taken as a duration";
+    } catch (const tools::UsageError& e) {
+      EXPECT_EQ(std::string(e.what()),
+                fmt::format("--grace: '{}' is not a duration (e.g. 500ms, 10s; at most a day)", bad));
+    }
+  }
+  TempDir dir;
+  std::string out;
+  EXPECT_EQ(exit_code(run_program({SPINDLE_CTL_BINARY, "--socket", dir.path() + "/nothing.sock", "--timeout",
+                                   "nan", "ping"}, &out, dir.path())), 2) << out;
+  EXPECT_TRUE(contains(out, "--timeout: 'nan' is not a duration")) << out;
+}
+
+// spindle-ctl's usage errors: a --timeout of 0, and words its command does
+// not take, are refused (exit 2) with what was wrong, never ignored.
+TEST(RouterProgram, SpindleCtlRefusesAZeroTimeoutAndExtraWords) {
+  TempDir dir;
+  const std::string sock = dir.path() + "/nothing.sock";
+  std::string out;
+  auto ctl = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), SPINDLE_CTL_BINARY);
+    return exit_code(run_program(args, &out, dir.path()));
+  };
+  for (const char* zero : {"0", "0s", "0ms", "0.4ms"}) {
+    EXPECT_EQ(ctl({"--socket", sock, "--timeout", zero, "ping"}), 2) << zero << ": " << out;
+    EXPECT_TRUE(contains(out, fmt::format("spindle-ctl: --timeout: '{}' must be more than 0", zero))) << out;
+  }
+  EXPECT_EQ(ctl({"--socket", sock, "--timeout=0", "ping"}), 2) << out;
+  EXPECT_TRUE(contains(out, "--timeout: '0' must be more than 0")) << out;
+  EXPECT_EQ(ctl({"--socket", sock, "stats", "foo"}), 2) << out;
+  EXPECT_TRUE(contains(out, "stats: unexpected argument 'foo'")) << out;
+  EXPECT_EQ(ctl({"--socket", sock, "stats", "--raw", "--raw"}), 2) << out;
+  EXPECT_TRUE(contains(out, "stats: unexpected argument '--raw'")) << out;
+  EXPECT_EQ(ctl({"--socket", sock, "ping", "a", "b"}), 2) << out;
+  EXPECT_TRUE(contains(out, "ping: unexpected argument 'b'")) << out;
+  EXPECT_TRUE(contains(out, "see spindle-ctl --help")) << out;
+  EXPECT_EQ(ctl({"--socket=" + sock, "--help=x"}), 2) << out;
+  EXPECT_TRUE(contains(out, "--help takes no value")) << out;
+  EXPECT_EQ(ctl({"--socket", sock, "--timeout"}), 2) << out;
+  EXPECT_TRUE(contains(out, "--timeout needs a value")) << out;
+  EXPECT_EQ(ctl({"--socket=", "--bogus=1", "ping"}), 2) << out;
+  EXPECT_TRUE(contains(out, "unknown option '--bogus'")) << out;
 }
 
 TEST(RouterProgram, SigtermDrainsTellsClientsAndExitsZero) {
@@ -196,6 +254,10 @@ TEST(RouterProgram, SpindleCtlPrintsStatsAndPings) {
   EXPECT_TRUE(a_row.ends_with(fmt::format(" {}", Router::kRouteStateBytes))) << out;
   EXPECT_EQ(exit_code(run_program({SPINDLE_CTL_BINARY, "--socket", dir.path() + "/nothing.sock", "stats"}, &out, dir.path())), 1);
   EXPECT_TRUE(contains(out, "cannot connect")) << out;
+  // "--name=value", as spindle-router takes its options.
+  EXPECT_EQ(exit_code(run_program({SPINDLE_CTL_BINARY, "--socket=" + sock, "--timeout=5s", "ping", "eq"}, &out,
+                                  dir.path())), 0) << out;
+  EXPECT_TRUE(contains(out, "eq: answered in")) << out;
 }
 
 }  // namespace test_router_program

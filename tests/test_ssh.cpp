@@ -44,6 +44,7 @@
 
 #include <spindle/spindle.h>
 
+#include "router/ssh_bootstrap.h"
 #include "tests/fds_test_util.h"
 #include "tests/router_probe.h"
 #include "tests/sshd_fixture.h"
@@ -265,6 +266,73 @@ TEST_F(Ssh, ReplacesAnOverwrittenCachedAgentWithoutRunningIt) {
   spindle::Child box = start(o);
   EXPECT_EQ(box.with_timeout(10s).call(echo, std::string("after overwrite")), "after overwrite");
   EXPECT_FALSE(std::filesystem::exists(mark)) << "the corrupted cached agent was run";
+  expect_one_cached_agent(cache(), o.agent);
+}
+
+// What the bootstrap answers when the cache is not ours alone: the error
+// that ssh() throws (its exit status and the script's line).
+std::string refusal(spindle::Runtime& rt, const std::string& host, const spindle::SshOptions& o) {
+  try {
+    spindle::Child box = rt.ssh(host, o);
+    ADD_FAILURE() << "ssh() ran an agent from a cache that is not ours alone";
+    return {};
+  } catch (const spindle::Error& e) {
+    return e.what();
+  }
+}
+
+// A cache another user can write to could have its agent swapped between
+// the checksum and the exec: the bootstrap refuses it, before running or
+// uploading anything, and says how to fix it.
+TEST_F(Ssh, RefusesACacheOtherUsersCanWriteTo) {
+  spindle::SshOptions o = options();
+  { spindle::Child box = start(o); }
+  ASSERT_EQ(::chmod(cache().c_str(), 0777), 0);
+  std::string what = refusal(rt, sshd_->host(), o);
+  EXPECT_NE(what.find("other users can write to " + cache() + " (chmod go-w it)"), std::string::npos) << what;
+  EXPECT_NE(what.find(std::to_string(spindle::kBootstrapUnsafeCache)), std::string::npos) << what;
+
+  // The same for a directory above it (not sticky, as /tmp is).
+  ASSERT_EQ(::chmod(cache().c_str(), 0700), 0);
+  const std::string open_dir = sshd_->dir() + "/shared";
+  ASSERT_EQ(::mkdir(open_dir.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(open_dir.c_str(), 0777), 0);
+  o.remote_dir = open_dir + "/cache";
+  what = refusal(rt, sshd_->host(), o);
+  EXPECT_NE(what.find("other users can write to " + open_dir + " "), std::string::npos) << what;
+  EXPECT_FALSE(std::filesystem::exists(o.remote_dir + "/spindle-agent-" +
+                                       spindle::AgentImage::load(o.agent)->sha256));
+
+  // Sticky, as /tmp is: others cannot rename or remove what is ours there.
+  ASSERT_EQ(::chmod(open_dir.c_str(), 01777), 0);
+  spindle::Child box = start(o);
+  EXPECT_EQ(box.with_timeout(10s).call(echo, std::string("under a sticky dir")), "under a sticky dir");
+}
+
+TEST_F(Ssh, RefusesACacheThatBelongsToAnotherUser) {
+  if (::geteuid() != 0) GTEST_SKIP() << "giving the cache to another uid needs root";
+  spindle::SshOptions o = options();
+  { spindle::Child box = start(o); }
+  ASSERT_EQ(::chown(cache().c_str(), 65534, static_cast<gid_t>(-1)), 0);
+  std::string what = refusal(rt, sshd_->host(), o);
+  EXPECT_NE(what.find(cache() + " belongs to uid 65534, not to uid 0"), std::string::npos) << what;
+}
+
+// A symlink in the cache is not the file that was checked: its target can
+// change after the checksum. The bootstrap uploads a regular file in its place.
+TEST_F(Ssh, ReplacesACachedAgentThatIsASymlink) {
+  spindle::SshOptions o = options();
+  { spindle::Child box = start(o); }
+  std::vector<std::string> names = entries(cache());
+  ASSERT_EQ(names.size(), 1u);
+  const std::string cached = cache() + "/" + names[0], elsewhere = sshd_->dir() + "/elsewhere";
+  ASSERT_EQ(::rename(cached.c_str(), elsewhere.c_str()), 0);
+  ASSERT_EQ(::symlink(elsewhere.c_str(), cached.c_str()), 0);
+  spindle::Child box = start(o);
+  EXPECT_EQ(box.with_timeout(10s).call(echo, std::string("after symlink")), "after symlink");
+  struct stat st {};
+  ASSERT_EQ(::lstat(cached.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode)) << "the symlink is still the cached agent";
   expect_one_cached_agent(cache(), o.agent);
 }
 
@@ -579,6 +647,41 @@ TEST_F(Ssh, EachStderrLineIsOneEscapedLogRecordOfTheContext) {
                    (at + id.size() == got[0].size() || !std::isdigit(static_cast<unsigned char>(got[0][at + id.size()])));
   EXPECT_TRUE(names_ctx || got[0].find(box.name()) != std::string::npos)
       << "the record does not name the context (" << id << " or " << box.name() << "): " << got[0];
+}
+
+// A remote login shell that prints empty lines without end before the
+// bootstrap can answer (a profile running `yes ''`). The bound on what may
+// come first counts every byte, newlines too, so ssh() fails as soon as the
+// bound is passed, with that reason, instead of spinning until
+// connect_timeout. A stand-in for ssh prints the lines: no sshd is needed.
+TEST(SshBootstrap, EndlessEmptyLinesFailAtTheBoundNotAtTheTimeout) {
+  spindle::testutil::TempDir dir;
+  const std::string fake = dir.path() + "/ssh-printing-empty-lines";
+  {
+    std::ofstream out(fake, std::ios::trunc);
+    out << "#!/bin/sh\n"
+           "# what a login shell whose profile runs `yes ''` sends back\n"
+           "exec yes ''\n";
+    ASSERT_TRUE(out.good());
+  }
+  ASSERT_EQ(::chmod(fake.c_str(), 0700), 0);
+  spindle::Runtime rt;
+  spindle::SshOptions o;
+  o.ssh_program = fake;
+  o.agent = SPINDLE_AGENT_BINARY;
+  o.connect_timeout = 30s;
+  auto t0 = Clock::now();
+  try {
+    spindle::Child box = rt.ssh("example.invalid", o);
+    ADD_FAILURE() << "ssh() started a context from a stream of empty lines";
+  } catch (const spindle::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("ssh to example.invalid: the remote shell printed over 65536 bytes instead of "
+                        "the bootstrap's answer"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_LT(seconds_since(t0), 10.0) << "empty lines must not keep ssh() waiting for connect_timeout";
 }
 
 }  // namespace test_ssh

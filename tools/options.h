@@ -10,6 +10,7 @@
 
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -77,7 +78,10 @@ inline std::chrono::milliseconds parse_duration(const std::string& option, std::
   auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
   std::string_view unit(end, static_cast<std::size_t>(v.data() + v.size() - end));
   double ms = unit == "ms" ? n : (unit.empty() || unit == "s") ? n * 1000 : -1;
-  if (ec != std::errc() || end == v.data() || ms < 0 || ms > 86400e3)
+  // from_chars reads "nan" and "inf" too. NaN fails every comparison, so a
+  // bare `ms < 0` let it through to the cast below, which is undefined for
+  // it: only a finite number is a duration.
+  if (ec != std::errc() || end == v.data() || !std::isfinite(ms) || ms < 0 || ms > 86400e3)
     throw UsageError(
         fmt::format("{}: '{}' is not a duration (e.g. 500ms, 10s; at most a day)", option, v));
   return std::chrono::milliseconds(static_cast<std::int64_t>(ms));

@@ -63,9 +63,9 @@ ssh options (before --call; -p2222 and --port=2222 work too):
                            relative; default .cache/spindle)
   --connect-timeout DUR    bound on connecting, uploading and the handshake (10s)
 
-options:
+options (before COMMAND; --timeout=5s works too):
   --socket ADDR   the router's address: a path or @NAME (default: {default})
-  --timeout DUR   give up on a call after this long, e.g. 500ms, 5s (10s)
+  --timeout DUR   give up on a call after this long, more than 0, e.g. 500ms, 5s (10s)
   --help, --version
 
 exit codes: 0 success, 1 router or host unreachable or call failed, 2 usage error
@@ -254,30 +254,57 @@ int main(int argc, char** argv) {
   std::vector<std::string> command;
   std::optional<SshCommand> ssh;
   try {
+    using spindle::tools::UsageError;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       if (!command.empty() || a.rfind("--", 0) != 0 || a == "--raw") {
         command.push_back(a);
-      } else if (a == "--help") {
-        std::printf("%s", fmt::format(kUsage, fmt::arg("default",
-                                                        spindle::default_router_address().to_string())).c_str());
-        return kExitOk;
-      } else if (a == "--version") {
-        std::printf("spindle-ctl %s\n", SPINDLE_VERSION);
+        continue;
+      }
+      // "--name value" or "--name=value", as spindle-router takes them.
+      std::optional<std::string> attached;
+      if (auto eq = a.find('='); eq != std::string::npos) {
+        attached = a.substr(eq + 1);
+        a.resize(eq);
+      }
+      if (a == "--help" || a == "--version") {
+        if (attached) throw UsageError(fmt::format("{} takes no value", a));
+        if (a == "--help")
+          std::printf("%s", fmt::format(kUsage, fmt::arg("default",
+                                                          spindle::default_router_address().to_string())).c_str());
+        else
+          std::printf("spindle-ctl %s\n", SPINDLE_VERSION);
         return kExitOk;
       } else if (a == "--socket" || a == "--timeout") {
-        if (i + 1 >= argc) throw spindle::tools::UsageError(a + " needs a value");
-        std::string v = argv[++i];
-        if (a == "--socket") address = v;
-        else timeout = spindle::tools::parse_duration(a, v);
+        if (!attached && i + 1 >= argc) throw UsageError(a + " needs a value");
+        std::string v = attached ? *attached : argv[++i];
+        if (a == "--socket") {
+          address = v;
+        } else {
+          timeout = spindle::tools::parse_duration(a, v);
+          // 0 (or under 1 ms, which rounds down to 0) would time out the
+          // connect and every call at once: a usage error, not "unreachable".
+          if (timeout.count() <= 0) throw UsageError(fmt::format("--timeout: '{}' must be more than 0", v));
+        }
       } else {
-        throw spindle::tools::UsageError(fmt::format("unknown option '{}'", a));
+        throw UsageError(fmt::format("unknown option '{}'", a));
       }
     }
-    if (command.empty()) throw spindle::tools::UsageError("no command (stats, ping or ssh)");
-    if (command[0] == "ssh") ssh = parse_ssh(command);
-    else if (command[0] != "stats" && command[0] != "ping")
-      throw spindle::tools::UsageError(fmt::format("unknown command '{}'", command[0]));
+    if (command.empty()) throw UsageError("no command (stats, ping or ssh)");
+    if (command[0] == "ssh") {
+      ssh = parse_ssh(command);
+    } else if (command[0] == "stats") {
+      // Only --raw: anything else is a mistake, not something to ignore.
+      for (std::size_t i = 1; i < command.size(); ++i)
+        if (command[i] != "--raw" || i > 1)
+          throw UsageError(fmt::format("stats: unexpected argument '{}' (stats takes only --raw)", command[i]));
+    } else if (command[0] == "ping") {
+      if (command.size() > 2)
+        throw UsageError(fmt::format("ping: unexpected argument '{}' (one TEXT: quote it if it has spaces)",
+                                     command[2]));
+    } else {
+      throw UsageError(fmt::format("unknown command '{}'", command[0]));
+    }
   } catch (const spindle::tools::UsageError& e) {
     std::fprintf(stderr, "spindle-ctl: %s\n(see spindle-ctl --help)\n", e.what());
     return kExitUsage;

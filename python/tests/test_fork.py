@@ -85,6 +85,41 @@ def test_inherited_router_is_closed_in_the_fork_child():
         assert child.call(pyfuncs.square, 2) == 4
 
 
+def test_an_inherited_sender_or_port_refuses_to_send_in_the_fork_child():
+    """A Sender (or the port under it) copied into an os.fork() child refers
+    to the parent's router, whose broker thread is not there: a send must
+    raise ShutdownError at once, not queue where nothing writes it, hang,
+    or write on the link the parent shares."""
+    with spindle.Router() as router:
+        rx = router.receiver()
+        sender = rx.sender
+        port = router._owner._port
+
+        def in_the_fork_child():
+            refused = []
+            for attempt in (lambda: sender.send("from the fork child"),
+                            lambda: port.send(rx.context_id, rx.handle, b"\x01", [], 0),
+                            port.receiver, port.batch):
+                try:
+                    attempt()
+                except spindle.ShutdownError as e:
+                    refused.append("inherited through a fork" in str(e) and f"pid {os.getpid()}" in str(e))
+                else:
+                    refused.append(False)
+            return refused == [True] * 4
+
+        assert _exit_code_of_child(in_the_fork_child) == 0
+        # Nothing reached the parent's receiver, which still works.
+        sender.send("from the parent")
+        assert rx.get(timeout=30).data == "from the parent"
+        try:
+            rx.get(timeout=0.2)
+        except spindle.TimeoutError:
+            pass
+        else:
+            raise AssertionError("the fork child's send arrived")
+
+
 def test_router_fork_while_other_threads_call():
     with spindle.Router() as router:
         first = router.fork()
