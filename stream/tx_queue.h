@@ -14,8 +14,10 @@
 // entry at the bytes it keeps alive (its body, or the window mapped of a
 // streamed memfd), whoever made it. A reply the router writes for the peer is
 // never refused at the gauge (the peer asked for it), so this charge is what
-// bounds a peer that asks for large answers and never reads them: its
-// account goes over, reading it pauses, and the stall rule ends it. The queue
+// stops reading a peer that asks for large answers and never reads them: its
+// account goes over, reading it pauses, and the stall rule ends it. (What it
+// had sent before that is still answered: calls in flight per peer are not
+// bounded yet.) The queue
 // also counts the bytes queued for the stream's high-water mark: inline bytes
 // one for one, entries at the charge their producer gave them.
 //

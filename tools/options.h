@@ -26,6 +26,16 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Splits "--name=value": leaves "--name" in `a` and returns "value"
+// (nullopt, and `a` untouched, without an '=').
+inline std::optional<std::string> split_value(std::string& a) {
+  const auto eq = a.find('=');
+  if (eq == std::string::npos) return std::nullopt;
+  std::string v = a.substr(eq + 1);
+  a.resize(eq);
+  return v;
+}
+
 class Args {
  public:
   Args(int argc, char** argv) : argc_(argc), argv_(argv) {}
@@ -34,13 +44,7 @@ class Args {
     if (i_ >= argc_) return std::nullopt;
     std::string a = argv_[i_++];
     if (a.rfind("--", 0) != 0) throw UsageError(fmt::format("unexpected argument '{}'", a));
-    auto eq = a.find('=');
-    if (eq != std::string::npos) {
-      inline_value_ = a.substr(eq + 1);
-      a.resize(eq);
-    } else {
-      inline_value_.reset();
-    }
+    inline_value_ = split_value(a);
     return a;
   }
   std::string value(const std::string& option) {

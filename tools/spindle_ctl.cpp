@@ -146,10 +146,7 @@ SshCommand parse_ssh(const std::vector<std::string>& words) {
     std::string opt = words[i];
     std::optional<std::string> attached;
     if (opt.rfind("--", 0) == 0) {
-      if (auto eq = opt.find('='); eq != std::string::npos) {
-        attached = opt.substr(eq + 1);
-        opt.resize(eq);
-      }
+      attached = spindle::tools::split_value(opt);
     } else if (opt.size() > 2 && opt[0] == '-') {
       attached = opt.substr(2);
       opt.resize(2);
@@ -262,11 +259,7 @@ int main(int argc, char** argv) {
         continue;
       }
       // "--name value" or "--name=value", as spindle-router takes them.
-      std::optional<std::string> attached;
-      if (auto eq = a.find('='); eq != std::string::npos) {
-        attached = a.substr(eq + 1);
-        a.resize(eq);
-      }
+      std::optional<std::string> attached = spindle::tools::split_value(a);
       if (a == "--help" || a == "--version") {
         if (attached) throw UsageError(fmt::format("{} takes no value", a));
         if (a == "--help")
