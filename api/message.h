@@ -26,6 +26,12 @@ struct Message {
   // mapped (a router forwards it as an fd). `data` is empty meanwhile; the
   // router maps it before a local handler sees the message.
   std::shared_ptr<const SealedMemfd> sealed_body{};
+  // In a router only: a request from an untrusted peer (a listener's client)
+  // to a handler of this process carries the charge its sender pays while
+  // the request waits for its answer (docs/PROTOCOL.md §14, calls in flight).
+  // Whoever keeps the request keeps the charge; copies share it, and it is
+  // released when the last one goes. Never sent.
+  std::shared_ptr<const void> sender_charge{};
 
   bool is_dead() const { return header.is_dead(); }
   bool is_call_error() const { return header.enc == kEncCallError; }

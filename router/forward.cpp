@@ -150,12 +150,18 @@ void Router::on_stream_frame(Stream& s, InFrame& f) {
   ++turn_frames_;
   auto* in = static_cast<Link*>(s.tag());
   if (!in || !reverse_path_ok(*in, f.header) || !note_egress(*in, f.header)) return;
-  if (f.header.dst_id == id()) {
-    Message m = f.take();
-    if (!handle_control(*in, m)) dispatch_local(std::move(m));
-    return;
-  }
+  if (f.header.dst_id == id()) return deliver_here(*in, f.take());
   forward(*in, f);
+}
+
+void Router::deliver_here(Link& in, Message&& m) {
+  if (handle_control(in, m)) return;
+  if (in.client && Message::wants_dead_reply(m)) {
+    const std::shared_ptr<Account>& account = in.stream->account();
+    account->charge(kCallInFlightBytes);
+    m.sender_charge = std::make_shared<const Charge>(account, kCallInFlightBytes);
+  }
+  dispatch_local(std::move(m));
 }
 
 // Frames taken as Messages by the stream: those that carried fds.
@@ -163,10 +169,7 @@ void Router::on_stream_message(Stream& s, Message&& m) {
   ++turn_frames_;
   auto* in = static_cast<Link*>(s.tag());
   if (!in || !reverse_path_ok(*in, m.header) || !note_egress(*in, m.header)) return;
-  if (m.header.dst_id == id()) {
-    if (!handle_control(*in, m)) dispatch_local(std::move(m));
-    return;
-  }
+  if (m.header.dst_id == id()) return deliver_here(*in, std::move(m));
   Link* out = forward_target(*in, m.header, m.data.size() + (m.sealed_body ? m.sealed_body->size() : 0));
   if (!out || !charge_fds(*in, m)) return;
   const std::size_t charge = kHeaderSize + m.data.size() + fd_charge(m.fds.size());

@@ -139,6 +139,16 @@ class Router : public StreamListener, public ShutdownParticipant {
   // lines may take before they are counted instead (SummaryLog).
   static constexpr std::uint32_t kClientLinesPerSecond = 64;
   static constexpr std::size_t kEgressStateBytes = 128;
+  // What a client is charged for each request of its that a handler here
+  // holds (queued for a service, running, or its answer deferred), until the
+  // answer is queued for it and charged at its own size (Message::
+  // sender_charge). A cheap request can cost a large answer: without it a
+  // client that never read 20,000 names.find answers of 14 KB made the
+  // router hold 450 MB past a 16 MiB limit. With it, reading such a client
+  // pauses once its pledges and queued answers reach its limit, so the calls
+  // it has in flight number at most limit / kCallInFlightBytes (4,096 at the
+  // default 64 MiB), checked frame by frame.
+  static constexpr std::size_t kCallInFlightBytes = 16 << 10;
 
   explicit Router(Broker& broker, RouterOptions opts = {});
   ~Router() override;
@@ -389,6 +399,9 @@ class Router : public StreamListener, public ShutdownParticipant {
   void release_held(Link& out);
   void forward(Link& in, InFrame& f);
   void dispatch_local(Message&& m);
+  // A frame for this router from `in`: a control message, or a message for
+  // a local handler (a client's request charged kCallInFlightBytes first).
+  void deliver_here(Link& in, Message&& m);
   void complete_call(Message&& m);
   bool handle_control(Link& in, Message& m);  // control_handles.cpp
   // ancestors.cpp: what the parent says is above it, and telling children.

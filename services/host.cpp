@@ -154,6 +154,7 @@ void ServiceHost::run(Service& svc, Message&& m) {
   Message head;
   head.header = m.header;  // the request minus its bytes: the args share them
   head.fds = std::move(m.fds);  // fd arguments of a typed call (<spindle/codec.h>)
+  head.sender_charge = std::move(m.sender_charge);  // held until the answer goes (ReplyState)
   Request req(router_, std::move(head), caller, svc.name(), std::move(d.envelope.method),
               std::move(d.envelope.args));
   svc.run(req, *method);

@@ -52,7 +52,7 @@ void del_handler_on_broker(Router& router, std::uint32_t handle) {
 }
 
 ReplyState::ReplyState(Router& router, const Message& request) : router_(router) {
-  requests_.push_back(request.header);
+  requests_.push_back({request.header, request.sender_charge});
 }
 
 ReplyState::~ReplyState() {
@@ -65,7 +65,7 @@ bool ReplyState::join(const Message& request) {
   // caller over it starts a computation of its own (on a worker, so bounded
   // by the lane and the pool instead).
   if (answered_ || requests_.size() >= kMaxJoined) return false;
-  requests_.push_back(request.header);
+  requests_.push_back({request.header, request.sender_charge});
   return true;
 }
 
@@ -85,7 +85,7 @@ std::size_t ReplyState::joined() const {
 }
 
 bool ReplyState::answer(Kind kind, Payload data, std::string_view type, std::string_view text) {
-  std::vector<Header> to;
+  std::vector<Waiting> to;  // their charges go once the answers are queued (and charged)
   std::function<void()> done;
   {
     std::lock_guard lk(mu_);
@@ -95,7 +95,8 @@ bool ReplyState::answer(Kind kind, Payload data, std::string_view type, std::str
     done.swap(on_answered_);
   }
   if (done) done();
-  for (const Header& h : to) {
+  for (const Waiting& w : to) {
+    const Header& h = w.header;
     Message req;
     req.header = h;
     if (!Message::wants_dead_reply(req)) continue;

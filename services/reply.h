@@ -78,7 +78,13 @@ class ReplyState {
  private:
   Router& router_;
   mutable std::mutex mu_;
-  std::vector<Header> requests_;  // headers only: the arguments are not kept
+  // Headers only: the arguments are not kept. Each keeps the charge its
+  // caller pays while it waits (Message::sender_charge) until it is answered.
+  struct Waiting {
+    Header header;
+    std::shared_ptr<const void> sender_charge;
+  };
+  std::vector<Waiting> requests_;
   bool answered_ = false;
   std::function<void()> on_answered_;
 };

@@ -401,7 +401,7 @@ void Stream::on_read(bool filled) {
 // turn (frames left over, or the next read) queues behind the other busy
 // streams' (broker/input_turns.h, which polls epoll between bounded chunks).
 void Stream::queue_input_turn() {
-  if (read_armed_ || !may_read()) return;
+  if (read_armed_ || paused_ || !may_read()) return;  // paused: resume_reading() queues it
   read_armed_ = true;
   broker_.input_turns().push(shared_from_this());
 }
@@ -491,6 +491,11 @@ bool Stream::process_input() {
   while (state_ != StreamState::kClosed) {
     if (input_stopped()) return true;  // what is left waits for the hold's end
     if (budget-- == 0) return true;
+    // An untrusted peer is paused at the frame that put it over, not at the
+    // next read: a 128 KiB read holds some 3,000 small calls, each of which
+    // can cost an answer far larger than itself (Router::kCallInFlightBytes).
+    // What is left waits in the buffer for resume_reading().
+    if (opts_.untrusted && over_limit()) return true;
     ParseResult r = parser_->next(f);
     if (r.status == ParseStatus::kNeedMore) {
       if (r.memory_wait) wait_for_memory(r.header.length);

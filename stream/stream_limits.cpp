@@ -91,11 +91,10 @@ void Stream::resume_reading() {
   stall_timer_.cancel();
   log().debug("stream={} reading resumed", name());
   // A body's header waits in the buffer: ask for its room again (the parse
-  // pauses again if there is still none).
-  if (std::exchange(memory_wait_, false)) {
-    input_left_ = true;
-    return queue_input_turn();
-  }
+  // pauses again if there is still none). Frames the pause cut short go
+  // before the next read.
+  if (std::exchange(memory_wait_, false)) input_left_ = true;
+  if (input_left_) return queue_input_turn();
   arm_read();
 }
 

@@ -15,11 +15,11 @@
 // streamed memfd), whoever made it. A reply the router writes for the peer is
 // never refused at the gauge (the peer asked for it), so this charge is what
 // stops reading a peer that asks for large answers and never reads them: its
-// account goes over, reading it pauses, and the stall rule ends it. (What it
-// had sent before that is still answered: calls in flight per peer are not
-// bounded yet.) The queue
-// also counts the bytes queued for the stream's high-water mark: inline bytes
-// one for one, entries at the charge their producer gave them.
+// account goes over, reading it pauses, and the stall rule ends it. (Its
+// calls still in flight are pledged to the same account meanwhile:
+// Router::kCallInFlightBytes.) The queue also counts the bytes queued for
+// the stream's high-water mark: inline bytes one for one, entries at the
+// charge their producer gave them.
 //
 // Thread safety: broker thread only. Ownership: owned by one Stream; borrows
 // the Account, which the stream keeps alive.

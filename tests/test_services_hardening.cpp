@@ -345,7 +345,16 @@ TEST(ServicesHardening, QueuedServiceWorkIsChargedToThePeerAndBoundedByItsLimit)
 // The "slow" service on a one-worker pool, held shut (its lane fills) until
 // the test opens the gate, or ends.
 struct HeldLane {
-  InProcessRouter rt;
+  // Limits that let one client fill the lane: its 65,541 calls in flight
+  // are pledged at Router::kCallInFlightBytes each, 1 GiB in all, which the
+  // default 64 MiB would stop at 4,096 (CallsInFlightArePledgedToTheClient).
+  static RouterOptions roomy() {
+    RouterOptions ro = root_opts("router");
+    ro.peer_memory_limit = std::size_t{4} << 30;
+    ro.memory_limit = std::size_t{8} << 30;
+    return ro;
+  }
+  InProcessRouter rt{{}, roomy()};
   services::Pool pool{pool_of(1)};
   services::ServiceHost host{rt.router(), pool};
   Gate gate;
@@ -465,6 +474,57 @@ TEST(ServicesHardening, ContextsAPeerAnnouncesShareItsLinksShare) {
   }
   EXPECT_EQ(pool.stats().refused_full, 1 + kSybils);
   EXPECT_EQ(pool.stats().queued, services::kDefaultLaneMaxMessages);
+}
+
+// A client's calls a service holds are pledged to its account
+// (Router::kCallInFlightBytes each), and reading it stops at the frame that
+// puts it over its limit, not at its next read: however cheap its calls,
+// the work it has in flight is bounded by its limit. Before, a client that
+// never read its answers had every call read ahead of them answered (an
+// audit's 20,000 names.find calls, 14 KB each). Once the service runs, the
+// pledges go with the answers and the client is read to the end.
+TEST(ServicesHardening, CallsInFlightArePledgedToTheClient) {
+  RouterOptions ro = root_opts("router");
+  ro.peer_memory_limit = 1u << 20;
+  ro.stall_timeout = std::chrono::minutes(10);
+  InProcessRouter rt({}, ro);
+  services::Pool pool(pool_of(1));
+  services::ServiceHost host(rt.router(), pool);
+  Gate gate;
+  host_slow_service(host, gate);
+  OpenOnExit release(gate);
+
+  RawClient peer(rt);
+  // 2,000 calls of a few dozen bytes: 100 KB, one read's worth, which the
+  // limit alone (the bytes held) would have taken whole.
+  constexpr std::size_t kCalls = 2000;
+  std::string burst;
+  for (std::size_t i = 0; i < kCalls; ++i) burst += peer.call_frame("slow", "wait", "", kReplyBase + i);
+  BurstWriter writer(peer, std::move(burst), [&] { gate.open(); });
+  ASSERT_TRUE(eventually([&] {
+    auto c = client(rt.router(), peer.id);
+    return c && c->paused;
+  })) << "a client whose calls in flight reach its limit is paused";
+  const std::size_t pledged = ro.peer_memory_limit / Router::kCallInFlightBytes;  // 64
+  const std::size_t held = pool.stats().queued + pool.stats().running;
+  EXPECT_LE(held, pledged + 1) << "calls past the client's limit were read";
+  EXPECT_GE(held, pledged / 2) << "paused before its pledges reached its limit";
+  auto c = client(rt.router(), peer.id);
+  ASSERT_TRUE(c);
+  EXPECT_GE(c->memory_held, held * Router::kCallInFlightBytes) << "the calls in flight are not on its account";
+
+  writer.join();  // opens the gate first
+  std::size_t answered = 0;
+  Message m;
+  while (answered < kCalls && next_answer(peer, m)) {
+    EXPECT_FALSE(m.is_dead()) << m.text();
+    ++answered;
+  }
+  EXPECT_EQ(answered, kCalls) << "every call is answered once it can run";
+  EXPECT_TRUE(eventually([&] {
+    auto now = client(rt.router(), peer.id);
+    return now && !now->paused && now->memory_held < Router::kCallInFlightBytes;
+  })) << "the pledges go with the answers";
 }
 
 // --- 5. the callers joining one deduplicated computation ------------------

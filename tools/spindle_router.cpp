@@ -68,8 +68,9 @@ limits (each peer is charged for what it makes the router hold):
   --high-water-mark SIZE   bytes queued towards one peer before senders are
                            refused with "output queue full" (8M)
   --peer-memory-limit SIZE memory one peer may make the router hold: queued
-                           frames, receive chunks, memfd bodies, service work;
-                           over it the router stops reading that peer (64M)
+                           frames, receive chunks, memfd bodies, service work
+                           (16K a call awaiting its answer); over it the
+                           router stops reading that peer (64M)
   --memory-limit SIZE      all peers together; over it the peers holding more
                            than their fair share are paused (1G)
   --fd-quota N             fds one peer may have in flight through the router (1024)
