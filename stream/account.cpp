@@ -73,12 +73,6 @@ Account::~Account() {
   if (left) budget_->sub(left);
 }
 
-bool Account::over_with(std::size_t h) const {
-  if (h > limit_) return true;
-  return budget_ && budget_->over() && h > fair_share();
-}
-
-bool Account::over() const { return over_with(held()); }
 
 void Account::charge(std::size_t n) {
   if (n == 0) return;

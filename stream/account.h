@@ -142,7 +142,8 @@ class Account {
   // Over the per-peer limit, or the global budget is over and this peer holds
   // more than its fair share of it: a peer holding little keeps being served
   // while a few others flood.
-  bool over() const;
+  // Inline: an untrusted stream asks it for every frame it reads.
+  bool over() const { return over_with(held()); }
   // Its part of the budget's limit (MemoryBudget: by uid, then by peer); its
   // own limit without a budget.
   std::size_t fair_share() const { return budget_ ? budget_->share_of(budget_->limit(), *share_) : limit_; }
@@ -160,7 +161,10 @@ class Account {
 
  private:
   friend class FdBudget;
-  bool over_with(std::size_t held) const;
+  bool over_with(std::size_t h) const {
+    if (h > limit_) return true;
+    return budget_ && budget_->over() && h > fair_share();
+  }
   bool charge_within_own_limit(std::size_t n);  // and the budget, unchecked
   std::atomic<std::size_t> fds_{0};
 

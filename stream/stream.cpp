@@ -495,7 +495,7 @@ bool Stream::process_input() {
     // next read: a 128 KiB read holds some 3,000 small calls, each of which
     // can cost an answer far larger than itself (Router::kCallInFlightBytes).
     // What is left waits in the buffer for resume_reading().
-    if (opts_.untrusted && over_limit()) return true;
+    if (opts_.untrusted && account_->over() && over_limit()) return true;
     ParseResult r = parser_->next(f);
     if (r.status == ParseStatus::kNeedMore) {
       if (r.memory_wait) wait_for_memory(r.header.length);
