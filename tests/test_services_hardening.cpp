@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -483,20 +484,24 @@ TEST(ServicesHardening, ContextsAPeerAnnouncesShareItsLinksShare) {
 // never read its answers had every call read ahead of them answered (an
 // audit's 20,000 names.find calls, 14 KB each). Once the service runs, the
 // pledges go with the answers and the client is read to the end.
-TEST(ServicesHardening, CallsInFlightArePledgedToTheClient) {
+//
+// A router whose client may hold 1 MiB (64 pledges) sends 2,000 calls of a
+// few dozen bytes to slow.wait, held shut: 100 KB, one read's worth, which
+// the limit on bytes alone would have taken whole. `held()` counts the
+// calls the service holds.
+void expect_calls_in_flight_pledged(services::Pool& pool,
+                                    const std::function<void(services::ServiceHost&, Gate&)>& host_it,
+                                    const std::function<std::size_t()>& held) {
   RouterOptions ro = root_opts("router");
   ro.peer_memory_limit = 1u << 20;
   ro.stall_timeout = std::chrono::minutes(10);
   InProcessRouter rt({}, ro);
-  services::Pool pool(pool_of(1));
   services::ServiceHost host(rt.router(), pool);
   Gate gate;
-  host_slow_service(host, gate);
+  host_it(host, gate);
   OpenOnExit release(gate);
 
   RawClient peer(rt);
-  // 2,000 calls of a few dozen bytes: 100 KB, one read's worth, which the
-  // limit alone (the bytes held) would have taken whole.
   constexpr std::size_t kCalls = 2000;
   std::string burst;
   for (std::size_t i = 0; i < kCalls; ++i) burst += peer.call_frame("slow", "wait", "", kReplyBase + i);
@@ -506,12 +511,14 @@ TEST(ServicesHardening, CallsInFlightArePledgedToTheClient) {
     return c && c->paused;
   })) << "a client whose calls in flight reach its limit is paused";
   const std::size_t pledged = ro.peer_memory_limit / Router::kCallInFlightBytes;  // 64
-  const std::size_t held = pool.stats().queued + pool.stats().running;
-  EXPECT_LE(held, pledged + 1) << "calls past the client's limit were read";
-  EXPECT_GE(held, pledged / 2) << "paused before its pledges reached its limit";
+  // What it holds settles at the pause (a worker may still be taking one).
+  std::size_t now = held();
+  ASSERT_TRUE(eventually([&] { return std::exchange(now, held()) == now; }));
+  EXPECT_LE(now, pledged + 1) << "calls past the client's limit were read";
+  EXPECT_GE(now, pledged / 2) << "paused before its pledges reached its limit";
   auto c = client(rt.router(), peer.id);
   ASSERT_TRUE(c);
-  EXPECT_GE(c->memory_held, held * Router::kCallInFlightBytes) << "the calls in flight are not on its account";
+  EXPECT_GE(c->memory_held, now * Router::kCallInFlightBytes) << "the calls in flight are not on its account";
 
   writer.join();  // opens the gate first
   std::size_t answered = 0;
@@ -522,9 +529,40 @@ TEST(ServicesHardening, CallsInFlightArePledgedToTheClient) {
   }
   EXPECT_EQ(answered, kCalls) << "every call is answered once it can run";
   EXPECT_TRUE(eventually([&] {
-    auto now = client(rt.router(), peer.id);
-    return now && !now->paused && now->memory_held < Router::kCallInFlightBytes;
+    auto after = client(rt.router(), peer.id);
+    return after && !after->paused && after->memory_held < Router::kCallInFlightBytes;
   })) << "the pledges go with the answers";
+}
+
+TEST(ServicesHardening, CallsInFlightArePledgedToTheClient) {
+  services::Pool pool(pool_of(1));  // one worker, held by the first call; the rest queue
+  expect_calls_in_flight_pledged(pool, host_slow_service,
+                                 [&] { return pool.stats().queued + pool.stats().running; });
+}
+
+// The same for calls joined to a deduplicated computation: they wait
+// outside any lane, holding only their headers (ReplyState), and their
+// pledges with them.
+TEST(ServicesHardening, CallsJoinedToADeduplicatedComputationArePledgedToo) {
+  services::Pool pool(pool_of(2));  // one worker computes, the other joins callers to it
+  std::mutex mu;
+  std::shared_ptr<services::ReplyState> computing;
+  auto host_it = [&](services::ServiceHost& host, Gate& gate) {
+    auto s = std::make_unique<Service>("slow", RunMode::kDeduplicated);
+    s->expose("wait", Access::any(), [&](Request& r) {
+      {
+        std::lock_guard lk(mu);
+        computing = r.reply().state();
+      }
+      gate.wait(60s);
+      return Payload::copy_of("ok");
+    });
+    host.add(std::move(s));
+  };
+  expect_calls_in_flight_pledged(pool, host_it, [&] {
+    std::lock_guard lk(mu);
+    return (computing ? computing->joined() : 0) + pool.stats().queued;
+  });
 }
 
 // --- 5. the callers joining one deduplicated computation ------------------
