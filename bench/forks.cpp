@@ -182,6 +182,9 @@ int main(int argc, char** argv) {
       if (burst) {
         total_failures += raw.failures;
         report.add(name + "_raw_exchange_ms_per_worker", raw.wall_ms / n, "ms", r.raw_fork_exit_ms / n);
+        // A client with a broker thread of its own pays at least this.
+        report.add(name + "_thread_ms_per_worker", scaling::detail::raw_fork_exit_ms(n, true) / n, "ms",
+                   r.raw_fork_exit_ms / n);
         report.add(name + "_ms_per_worker_to_raw_exchange", r.wall_ms / n, "ms", raw.wall_ms / n);
       }
       report.add(name + "_slowest_ms", r.slowest_ms, "ms");

@@ -182,12 +182,18 @@ inline double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-inline double raw_fork_exit_ms(int n) {
+// N × fork() + _exit() + waitpid(); with `thread`, each child first starts
+// and joins one thread that does nothing (what a thread of its own costs a
+// freshly forked process, before it sends a byte: bench_forks prints it).
+inline double raw_fork_exit_ms(int n, bool thread = false) {
   auto t0 = Clock::now();
   std::vector<pid_t> pids;
   for (int i = 0; i < n; ++i) {
     pid_t p = ::fork();
-    if (p == 0) ::_exit(0);
+    if (p == 0) {
+      if (thread) std::thread([] {}).join();
+      ::_exit(0);
+    }
     if (p > 0) pids.push_back(p);
   }
   for (pid_t p : pids) ::waitpid(p, nullptr, 0);

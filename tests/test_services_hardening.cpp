@@ -489,14 +489,16 @@ TEST(ServicesHardening, ContextsAPeerAnnouncesShareItsLinksShare) {
 // few dozen bytes to slow.wait, held shut: 100 KB, one read's worth, which
 // the limit on bytes alone would have taken whole. `held()` counts the
 // calls the service holds.
-void expect_calls_in_flight_pledged(services::Pool& pool,
+void expect_calls_in_flight_pledged(std::size_t threads,
                                     const std::function<void(services::ServiceHost&, Gate&)>& host_it,
-                                    const std::function<std::size_t()>& held) {
+                                    const std::function<std::size_t(services::Pool&)>& held_by) {
   RouterOptions ro = root_opts("router");
   ro.peer_memory_limit = 1u << 20;
   ro.stall_timeout = std::chrono::minutes(10);
   InProcessRouter rt({}, ro);
+  services::Pool pool(pool_of(threads));  // after the router: it leaves the broker first
   services::ServiceHost host(rt.router(), pool);
+  auto held = [&] { return held_by(pool); };
   Gate gate;
   host_it(host, gate);
   OpenOnExit release(gate);
@@ -535,16 +537,16 @@ void expect_calls_in_flight_pledged(services::Pool& pool,
 }
 
 TEST(ServicesHardening, CallsInFlightArePledgedToTheClient) {
-  services::Pool pool(pool_of(1));  // one worker, held by the first call; the rest queue
-  expect_calls_in_flight_pledged(pool, host_slow_service,
-                                 [&] { return pool.stats().queued + pool.stats().running; });
+  // One worker, held by the first call; the rest queue.
+  expect_calls_in_flight_pledged(1, host_slow_service, [](services::Pool& pool) {
+    return pool.stats().queued + pool.stats().running;
+  });
 }
 
 // The same for calls joined to a deduplicated computation: they wait
 // outside any lane, holding only their headers (ReplyState), and their
 // pledges with them.
 TEST(ServicesHardening, CallsJoinedToADeduplicatedComputationArePledgedToo) {
-  services::Pool pool(pool_of(2));  // one worker computes, the other joins callers to it
   std::mutex mu;
   std::shared_ptr<services::ReplyState> computing;
   auto host_it = [&](services::ServiceHost& host, Gate& gate) {
@@ -559,7 +561,8 @@ TEST(ServicesHardening, CallsJoinedToADeduplicatedComputationArePledgedToo) {
     });
     host.add(std::move(s));
   };
-  expect_calls_in_flight_pledged(pool, host_it, [&] {
+  // Two workers: one computes, the other joins callers to it.
+  expect_calls_in_flight_pledged(2, host_it, [&](services::Pool& pool) {
     std::lock_guard lk(mu);
     return (computing ? computing->joined() : 0) + pool.stats().queued;
   });
