@@ -73,7 +73,6 @@ Account::~Account() {
   if (left) budget_->sub(left);
 }
 
-
 void Account::charge(std::size_t n) {
   if (n == 0) return;
   std::size_t now = held_.fetch_add(n, std::memory_order_relaxed) + n;

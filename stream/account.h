@@ -141,8 +141,8 @@ class Account {
   std::size_t limit() const { return limit_; }
   // Over the per-peer limit, or the global budget is over and this peer holds
   // more than its fair share of it: a peer holding little keeps being served
-  // while a few others flood.
-  // Inline: an untrusted stream asks it for every frame it reads.
+  // while a few others flood. Inline: an untrusted stream asks it for every
+  // frame it reads.
   bool over() const { return over_with(held()); }
   // Its part of the budget's limit (MemoryBudget: by uid, then by peer); its
   // own limit without a budget.

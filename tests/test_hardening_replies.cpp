@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <span>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -67,15 +66,13 @@ TEST_F(Hardening, AClientThatNeverReadsItsLargeAnswersIsStoppedAtItsOwnLimit) {
   // 20,000 calls would be answered with some 280 MB.
   for (int round = 0; round < 10 && stats_field(client_line(hid), " paused=") != 1; ++round) flood(h, burst, 2s, 10s);
   // The calls read before the pause are answered (by the pool) into the
-  // queue the client never reads: what the router holds settles there.
+  // queue the client never reads: once the last one is, its pledges are gone
+  // and all it holds is that queue.
   std::string line;
-  long long last = -1;
-  for (int i = 0; i < 50; ++i, std::this_thread::sleep_for(100ms)) {
+  EXPECT_TRUE(eventually([&] {
     line = client_line(hid);
-    const long long held = stats_field(line, " memory_held=");
-    if (held == last) break;
-    last = held;
-  }
+    return stats_field(line, " memory_held=") == stats_field(line, " queued_bytes=");
+  }, 20s)) << "pledges left once the calls were answered: " << line;
   const long rss_after = rss_kib();
   std::printf("%s\nrouter RSS %ld -> %ld KiB\n", line.c_str(), rss_before, rss_after);
   EXPECT_EQ(stats_field(line, " paused="), 1) << "the router went on reading a client that never reads";
@@ -83,8 +80,9 @@ TEST_F(Hardening, AClientThatNeverReadsItsLargeAnswersIsStoppedAtItsOwnLimit) {
   // At the pause its calls in flight are pledged at kCallInFlightBytes each,
   // within the limit; each answer (about 14 KB) then replaces its pledge.
   EXPECT_LE(stats_field(line, " memory_peak="), 2 * kPeer) << "read ahead of its answers";
-  if (kRssIsMeaningful)  // not under a sanitizer (tests/router_probe.h)
+  if (kRssIsMeaningful) {  // not under a sanitizer (tests/router_probe.h)
     EXPECT_LT(rss_after - rss_before, 3 * kPeer / 1024) << "the router grew past what it charged";
+  }
   expect_served("a client asking for large answers it never reads");
 }
 

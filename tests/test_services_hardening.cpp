@@ -487,18 +487,17 @@ TEST(ServicesHardening, ContextsAPeerAnnouncesShareItsLinksShare) {
 //
 // A router whose client may hold 1 MiB (64 pledges) sends 2,000 calls of a
 // few dozen bytes to slow.wait, held shut: 100 KB, one read's worth, which
-// the limit on bytes alone would have taken whole. `held()` counts the
-// calls the service holds.
-void expect_calls_in_flight_pledged(std::size_t threads,
-                                    const std::function<void(services::ServiceHost&, Gate&)>& host_it,
-                                    const std::function<std::size_t(services::Pool&)>& held_by) {
+// the limit on bytes alone would have taken whole. `held_by()` counts the
+// calls the service holds, once the pool has settled (nullopt before).
+void expect_calls_in_flight_pledged(
+    std::size_t threads, const std::function<void(services::ServiceHost&, Gate&)>& host_it,
+    const std::function<std::optional<std::size_t>(services::Pool&)>& held_by) {
   RouterOptions ro = root_opts("router");
   ro.peer_memory_limit = 1u << 20;
   ro.stall_timeout = std::chrono::minutes(10);
   InProcessRouter rt({}, ro);
   services::Pool pool(pool_of(threads));  // after the router: it leaves the broker first
   services::ServiceHost host(rt.router(), pool);
-  auto held = [&] { return held_by(pool); };
   Gate gate;
   host_it(host, gate);
   OpenOnExit release(gate);
@@ -513,9 +512,13 @@ void expect_calls_in_flight_pledged(std::size_t threads,
     return c && c->paused;
   })) << "a client whose calls in flight reach its limit is paused";
   const std::size_t pledged = ro.peer_memory_limit / Router::kCallInFlightBytes;  // 64
-  // What it holds settles at the pause (a worker may still be taking one).
-  std::size_t now = held();
-  ASSERT_TRUE(eventually([&] { return std::exchange(now, held()) == now; }));
+  // Paused, it sends the pool nothing more: what the pool holds settles.
+  std::size_t now = 0;
+  ASSERT_TRUE(eventually([&] {
+    const std::optional<std::size_t> held = held_by(pool);
+    now = held.value_or(0);
+    return held.has_value();
+  }));
   EXPECT_LE(now, pledged + 1) << "calls past the client's limit were read";
   EXPECT_GE(now, pledged / 2) << "paused before its pledges reached its limit";
   auto c = client(rt.router(), peer.id);
@@ -539,7 +542,7 @@ void expect_calls_in_flight_pledged(std::size_t threads,
 TEST(ServicesHardening, CallsInFlightArePledgedToTheClient) {
   // One worker, held by the first call; the rest queue.
   expect_calls_in_flight_pledged(1, host_slow_service, [](services::Pool& pool) {
-    return pool.stats().queued + pool.stats().running;
+    return std::optional<std::size_t>(pool.stats().queued + pool.stats().running);
   });
 }
 
@@ -561,10 +564,13 @@ TEST(ServicesHardening, CallsJoinedToADeduplicatedComputationArePledgedToo) {
     });
     host.add(std::move(s));
   };
-  // Two workers: one computes, the other joins callers to it.
-  expect_calls_in_flight_pledged(2, host_it, [&](services::Pool& pool) {
+  // Two workers: one computes, the other joins callers to it until the lane
+  // is empty and only the computation runs.
+  expect_calls_in_flight_pledged(2, host_it, [&](services::Pool& pool) -> std::optional<std::size_t> {
+    const auto st = pool.stats();
     std::lock_guard lk(mu);
-    return (computing ? computing->joined() : 0) + pool.stats().queued;
+    if (!computing || st.queued != 0 || st.running != 1) return std::nullopt;
+    return computing->joined();
   });
 }
 
