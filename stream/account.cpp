@@ -27,9 +27,13 @@ void MemoryBudget::add(std::size_t n) {
   if (now > limit_) was_over_.store(true, std::memory_order_relaxed);
 }
 
+// The release's fetch_sub and its load of the wish are sequentially
+// consistent, as is Account::over_awaiting_relief()'s store of the wish and
+// its look at the held bytes: of a reader making its wish and a release
+// taking the last bytes over, at least one sees the other.
 void MemoryBudget::sub(std::size_t n) {
-  std::size_t now = held_.fetch_sub(n, std::memory_order_relaxed) - n;
-  if (now <= limit_ && was_over_.load(std::memory_order_relaxed) &&
+  std::size_t now = held_.fetch_sub(n) - n;
+  if (now <= limit_ && was_over_.load() &&
       was_over_.exchange(false, std::memory_order_acq_rel) && relief_)
     relief_();
 }
@@ -133,11 +137,19 @@ std::string Account::holdings() const {
                      budget_ ? fmt::format("; the router holds {} of {}", budget_->held(), budget_->limit()) : "");
 }
 
+bool Account::over_awaiting_relief() {
+  if (!over()) return false;
+  was_over_.store(true);
+  if (budget_) budget_->was_over_.store(true);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // the wish, then the look
+  return over();  // a release in between brought it back: no need to wait
+}
+
 void Account::release(std::size_t n) {
   if (n == 0) return;
-  std::size_t now = held_.fetch_sub(n, std::memory_order_relaxed) - n;
+  std::size_t now = held_.fetch_sub(n) - n;  // seq_cst: see MemoryBudget::sub
   if (budget_) budget_->sub(n);
-  if (!over_with(now) && was_over_.load(std::memory_order_relaxed) &&
+  if (!over_with(now) && was_over_.load() &&
       was_over_.exchange(false, std::memory_order_acq_rel) && relief_)
     relief_();
 }

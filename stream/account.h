@@ -144,6 +144,13 @@ class Account {
   // while a few others flood. Inline: an untrusted stream asks it for every
   // frame it reads.
   bool over() const { return over_with(held()); }
+  // over(), for a reader about to pause until the relief callbacks say it
+  // may read again: if over, the wish for relief (this account's and the
+  // budget's) is made, then over() asked again, as reserve() does. Without
+  // the wish, a charge racing a release could leave the account over with
+  // no relief to come (the release cleared the wish the charge had just
+  // made), and the paused reader waited for good.
+  bool over_awaiting_relief();
   // Its part of the budget's limit (MemoryBudget: by uid, then by peer); its
   // own limit without a budget.
   std::size_t fair_share() const { return budget_ ? budget_->share_of(budget_->limit(), *share_) : limit_; }

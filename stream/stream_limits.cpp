@@ -29,7 +29,7 @@ namespace spindle {
 // Pausing there would wait forever for a release that needs this very read.
 bool Stream::over_limit() {
   if (memory_wait_) return true;
-  if (!account_->over() || (parser_ && parser_->body_wants_bytes())) return false;
+  if ((parser_ && parser_->body_wants_bytes()) || !account_->over_awaiting_relief()) return false;
   if (!paused_) {
     paused_ = true;
     ++stats_.read_pauses;
@@ -86,7 +86,7 @@ void Stream::arm_stall_timer() {
 
 void Stream::resume_reading() {
   if (!paused_ || state_ == StreamState::kClosed) return;
-  if (account_->over()) return;  // another release will bring us back
+  if (account_->over_awaiting_relief()) return;  // another release will bring us back
   paused_ = false;
   stall_timer_.cancel();
   log().debug("stream={} reading resumed", name());
