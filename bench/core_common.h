@@ -67,6 +67,7 @@ struct Config {
   bool rtt = true, oneway = true, big = true;
   int rtt_warmup = 2000;
   int rtt_iters = 20000;
+  int rtt_rounds = 5;  // alternating rounds of every rtt variant (core_rtt.h)
   std::size_t oneway_n = 2'000'000;
   // One run of each side takes under half a second, so one unlucky moment
   // of the machine (a timer storm, another process) moved the ratio from

@@ -1,7 +1,8 @@
 // bench_core's `rtt` section (see bench/core.cpp): a 64 B round trip to a
 // forked child through Context::call, as a typed call and as bytes through
 // the service envelope, beside a blocking socketpair ping-pong (and the
-// same with epoll, and with a polling caller), on one core and on two.
+// same with epoll, and with a polling caller), on one core and on two, in
+// alternating rounds (rtt_rounds()).
 //
 // Thread safety: the bench's main thread only.
 #pragma once
@@ -242,6 +243,46 @@ inline RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu, bool via
   return run;
 }
 
+// Every variant of one case, one after another in each of cfg.rtt_rounds
+// rounds, each round a share of the calls (and a fresh child, warmed up
+// again): a change in the host's speed between the floor's run and
+// Spindle's then falls on both alike. Run once each, in a row, the same
+// build's same-core ratio read 1.28x to 1.55x in runs of one day, the
+// floor 10.4 to 15.3 us (bench/README.md).
+struct RttCase {
+  RttRun raw, sp, epoll, polls, typed, bytes;
+};
+
+// `add`'s calls appended to `into`, its counters summed; the CPU placement
+// is the last round's.
+inline void merge(RttRun& into, RttRun add) {
+  into.us.insert(into.us.end(), add.us.begin(), add.us.end());
+  into.parent_cpu_ns += add.parent_cpu_ns;
+  into.child_cpu_ns += add.child_cpu_ns;
+  into.caller_leads += add.caller_leads;
+  into.loop_returns += add.loop_returns;
+  into.parent_cpu = add.parent_cpu;
+  into.parent_broker_cpu = add.parent_broker_cpu;
+  into.child_cpu = add.child_cpu;
+}
+
+inline RttCase rtt_rounds(const Config& cfg, int parent, int child) {
+  RttCase all;
+  const int rounds = std::max(1, cfg.rtt_rounds);
+  for (int round = 0; round < rounds; ++round) {
+    Config c = cfg;
+    c.rtt_iters = cfg.rtt_iters / rounds;
+    c.rtt_warmup = round == 0 ? cfg.rtt_warmup : cfg.rtt_warmup / 10;
+    merge(all.raw, raw_rtt(c, parent, child));
+    merge(all.sp, spindle_rtt(c, parent, child));
+    merge(all.epoll, raw_rtt(c, parent, child, true));
+    merge(all.polls, raw_rtt(c, parent, child, true, true));
+    merge(all.typed, typed_rtt(c, parent, child, false));
+    merge(all.bytes, typed_rtt(c, parent, child, true));
+  }
+  return all;
+}
+
 inline void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
   struct Case {
     const char* label;
@@ -251,8 +292,9 @@ inline void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
   if (cpu_b >= 0) cases.push_back({"cross core", cpu_a, cpu_b});
   else g_notes.push_back("rtt: only one usable CPU; cross-core case skipped");
   for (const Case& k : cases) {
-    RttRun raw = raw_rtt(cfg, k.parent, k.child);
-    RttRun sp = spindle_rtt(cfg, k.parent, k.child);
+    const RttCase c = rtt_rounds(cfg, k.parent, k.child);
+    const RttRun &raw = c.raw, &sp = c.sp;
+    const int timed = static_cast<int>(sp.us.size());
     Stats r = summarize(raw.us), s = summarize(sp.us);
     double ratio = s.median / r.median;
     add_row(fmt::format("rtt 64 B {}, median", k.label), fmt::format("{:.1f} us", s.median),
@@ -265,24 +307,26 @@ inline void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
     g_report.add(name + "_p99", s.p99, "us", r.p99);
     // The floor of any event-loop design: what the epoll_wait before each
     // read costs both sides, and Spindle against that floor.
-    Stats e = summarize(raw_rtt(cfg, k.parent, k.child, true).us);
+    Stats e = summarize(c.epoll.us);
     g_report.add(name + "_raw_epoll", e.median, "us", r.median);
     g_report.add(name + "_over_raw_epoll", s.median, "us", e.median);
     // Spindle's caller polls before it sleeps (wait_spin): the same raw
     // ping-pong with the caller polling, and Spindle against it.
-    Stats pl = summarize(raw_rtt(cfg, k.parent, k.child, true, true).us);
+    Stats pl = summarize(c.polls.us);
     g_report.add(name + "_raw_caller_polls", pl.median, "us", r.median);
     g_report.add(name + "_over_raw_caller_polls", s.median, "us", pl.median);
+    const int rounds = std::max(1, cfg.rtt_rounds);
     g_notes.push_back(fmt::format(
-        "rtt {}: {} calls after {} warm-up; spindle cpus: parent main {} broker {}, child broker {}; "
-        "raw cpus: parent {} child {}",
-        k.label, cfg.rtt_iters, cfg.rtt_warmup, sp.parent_cpu, sp.parent_broker_cpu, sp.child_cpu,
-        raw.parent_cpu, raw.child_cpu));
-    const auto all = static_cast<std::uint64_t>(cfg.rtt_warmup + cfg.rtt_iters + 2);
+        "rtt {}: {} calls of each kind in {} alternating rounds, after {} warm-up calls in the first and {} "
+        "in each other; spindle cpus: parent main {} broker {}, child broker {}; raw cpus: parent {} child {}",
+        k.label, timed, rounds, cfg.rtt_warmup, cfg.rtt_warmup / 10, sp.parent_cpu, sp.parent_broker_cpu,
+        sp.child_cpu, raw.parent_cpu, raw.child_cpu));
+    const auto all = static_cast<std::uint64_t>(cfg.rtt_warmup + (rounds - 1) * (cfg.rtt_warmup / 10) + timed +
+                                                2 * rounds);
     g_notes.push_back(fmt::format(
         "rtt {}: the caller ran the loop itself in {} of {} calls; the broker thread took it back {} times",
         k.label, sp.caller_leads, all, sp.loop_returns));
-    auto per = [&cfg](std::uint64_t ns) { return static_cast<double>(ns) / 1000.0 / cfg.rtt_iters; };
+    auto per = [timed](std::uint64_t ns) { return static_cast<double>(ns) / 1000.0 / timed; };
     g_notes.push_back(fmt::format(
         "rtt {}: CPU per round trip (user+sys): spindle parent {:.1f} us + child {:.1f} us; "
         "raw parent {:.1f} us + child {:.1f} us",
@@ -293,10 +337,9 @@ inline void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
     // Issue 13's target: a typed call costs at most 1 us more than the raw
     // call above (its floor here). The typed function runs on the child's
     // main thread, not its broker's: one thread hand-off more.
-    RttRun ty = typed_rtt(cfg, k.parent, k.child, false);
-    Stats t = summarize(ty.us);
+    Stats t = summarize(c.typed.us);
     // The same call with the bytes as they are: the hop without the typing.
-    Stats b = summarize(typed_rtt(cfg, k.parent, k.child, true).us);
+    Stats b = summarize(c.bytes.us);
     const double hop = semaphore_rtt_us(cfg, k.child >= 0 ? k.child : k.parent);
     add_row(fmt::format("  thread hand-off there and back ({})", k.label), "", fmt::format("{:.1f} us", hop), "");
     g_report.add("thread_handoff_rtt_" + row_word(k.label), hop, "us");
