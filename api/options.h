@@ -58,8 +58,8 @@ struct RouterOptions {
   // within the window costs neither side a wake-up, which on a VM is the
   // dearest part of a round trip; the price is up to this much CPU per wait,
   // and a thread whose polls keep finding nothing stops polling for a while.
-  // A thread whose answers have been taking a little longer (up to four
-  // times this) polls for a quarter more than they take. 0 never polls.
+  // A thread whose answers have been taking a little longer polls for a
+  // quarter more than they take, up to four times this. 0 never polls.
   // (docs/GUIDE.md, section 6)
   std::chrono::microseconds wait_spin = kDefaultWaitSpin;
   // The broker's own thread polls the same way after each turn. It pays in

@@ -42,6 +42,7 @@
 // backed off and slept, and each call paid the wake-up (bench_ssh's round
 // trip 128 us against raw `ssh cat`'s 87 us; with the stretch, see
 // DESIGN.md). A thread pays for it in CPU: up to the window per wait.
+// Slower answers get that longest window (spin_window()).
 //
 // Each pair of "store mine, then load theirs" below (owner against sleepers_,
 // owner against wake_pending_) is sequentially consistent: of two threads
@@ -83,8 +84,16 @@ std::size_t Broker::poll_window(Answered answered, Clock::time_point deadline) {
   return ran;
 }
 
+// Answers slower than the longest window get that window: the early ones
+// among them are read while polling, and a thread whose polls keep missing
+// backs off (poll_history.h). With `base` there instead, a thread whose
+// answers drifted past the longest window never polled again, since
+// sleeping made them slower still: bench_ssh's caller fell into that on a
+// slow day (answers at 220-230 us, 1,313-1,381 of ~3,180 waits polled,
+// 1.37x and 1.43x of raw `ssh cat`; 1.15-1.27x in seven runs after, with
+// 2,671-3,167 polled).
 std::chrono::nanoseconds Broker::spin_window(std::chrono::nanoseconds base, std::chrono::nanoseconds typical) {
-  if (base.count() <= 0 || typical <= base || typical > base * kSpinStretch) return base;
+  if (base.count() <= 0 || typical <= base) return base;
   return std::min(typical + typical / 4, base * kSpinStretch);
 }
 

@@ -181,7 +181,8 @@ TEST(BrokerLead, TheWindowStretchesToAnswersALittleLaterThanIt) {
   EXPECT_EQ(Broker::spin_window(base, 20us), base) << "answers inside the window";
   EXPECT_EQ(Broker::spin_window(base, 100us), 125us) << "a quarter more than they take";
   EXPECT_EQ(Broker::spin_window(base, 190us), base * Broker::kSpinStretch) << "capped";
-  EXPECT_EQ(Broker::spin_window(base, 201us), base) << "answers too slow to be worth polling for";
+  EXPECT_EQ(Broker::spin_window(base, 201us), base * Broker::kSpinStretch)
+      << "answers slower than the longest window: that window, then the back-off";
   EXPECT_EQ(Broker::spin_window(0us, 100us), 0ns) << "wait_spin 0 never polls";
 }
 
@@ -226,6 +227,46 @@ TEST(BrokerLead, AThreadWhoseAnswersComeJustAfterTheWindowReadsThemWhilePolling)
   std::uint64_t answered = 0;
   for (int r = 0; r < kRuns && answered == 0; ++r) answered = run();
   EXPECT_GE(answered, 1u) << "in " << kRuns << " runs, waits answered 2x the window after they began still slept";
+}
+
+// Answers that straddle the longest window (a 10 ms wait_spin, 40 ms at
+// most): 35 ms and 80 ms in turn, so the thread's typical wait stays above
+// 40 ms. A window of `base` then could see none of them, and the thread
+// backed off after four: so a caller whose answers over ssh drifted past
+// the longest window (slept through, they came later still) never polled
+// again. The longest window catches the 35 ms ones.
+TEST(BrokerLead, AThreadWhoseAnswersStraddleTheLongestWindowStillCatchesTheEarlyOnes) {
+  Broker::Options o;
+  o.wait_spin = 10ms;
+  Broker broker(o);
+  testutil::settle(broker);
+  static constexpr int kWaits = 12, kRuns = 6;
+  auto run = [&broker] {
+    int done_waits = 0;
+    std::uint64_t answered = 0;
+    std::thread caller([&] {  // a thread of its own: no history of other tests' waits
+      for (int i = 0; i < kWaits; ++i) {
+        auto done = std::make_shared<std::atomic<bool>>(false);
+        const std::uint64_t before = broker.stats().wait_polls_answered;
+        bool asked = false;
+        const auto after = i % 2 == 0 ? 35ms : 80ms;
+        const Broker::Lead how = lead_after_step_aside(broker, *done, Clock::now() + kGuard, [&] {
+          if (!std::exchange(asked, true)) broker.call_later(after, [done] { *done = true; });
+        });
+        if (how != Broker::Lead::kDone) return;
+        ++done_waits;
+        answered += broker.stats().wait_polls_answered - before;
+      }
+    });
+    caller.join();
+    EXPECT_EQ(done_waits, kWaits);
+    return answered;
+  };
+  // A run can be starved by a machine whose other threads hold both CPUs
+  // (the own thread answers while the caller waits for one): up to kRuns.
+  std::uint64_t answered = 0;
+  for (int r = 0; r < kRuns && answered == 0; ++r) answered = run();
+  EXPECT_GE(answered, 1u) << "in " << kRuns << " runs, no 35 ms answer was read while polling";
 }
 
 TEST(BrokerLead, ACallerLeadingWhenTheLoopStopsIsToldAndTheBrokerFinishes) {
