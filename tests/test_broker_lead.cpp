@@ -186,29 +186,29 @@ TEST(BrokerLead, TheWindowStretchesToAnswersALittleLaterThanIt) {
   EXPECT_EQ(Broker::spin_window(0us, 100us), 0ns) << "wait_spin 0 never polls";
 }
 
-// Leading waits answered 20 ms after they begin, with a 10 ms window:
-// without the stretch every window missed (and the thread backed off after
-// four); with it, the thread's history says 20 ms, and the next windows
-// (25 ms) catch them. Milliseconds, not the microseconds of real calls, so
-// that a loaded machine's preemptions (a few ms) rarely cost a window.
-TEST(BrokerLead, AThreadWhoseAnswersComeJustAfterTheWindowReadsThemWhilePolling) {
+// `waits` leading waits on a thread of its own (no history of other tests'
+// waits) of a broker whose wait_spin is 10 ms, wait i answered
+// answer_after(i) after it begins; returns how many a poll answered, in
+// the first of up to `runs` runs in which any was. Milliseconds, not the
+// microseconds of real calls, so that a loaded machine's preemptions (a
+// few ms) rarely cost a window; and a machine whose other threads hold
+// both CPUs for long stretches can starve a run (the own thread answers
+// while the caller waits for a CPU), hence the runs.
+std::uint64_t answered_while_polling(int waits, int runs, std::chrono::milliseconds (*answer_after)(int)) {
   Broker::Options o;
   o.wait_spin = 10ms;
   Broker broker(o);
   testutil::settle(broker);
-  static constexpr int kWaits = 10, kRuns = 6;
-  // One run: kWaits waits on a thread of its own (no history of other
-  // tests' waits); returns how many a poll answered.
-  auto run = [&broker] {
+  auto run = [&] {
     int done_waits = 0;
     std::uint64_t answered = 0;
     std::thread caller([&] {
-      for (int i = 0; i < kWaits; ++i) {
+      for (int i = 0; i < waits; ++i) {
         auto done = std::make_shared<std::atomic<bool>>(false);
         const std::uint64_t before = broker.stats().wait_polls_answered;
         bool asked = false;
         const Broker::Lead how = lead_after_step_aside(broker, *done, Clock::now() + kGuard, [&] {
-          if (!std::exchange(asked, true)) broker.call_later(20ms, [done] { *done = true; });
+          if (!std::exchange(asked, true)) broker.call_later(answer_after(i), [done] { *done = true; });
         });
         if (how != Broker::Lead::kDone) return;
         ++done_waits;
@@ -216,57 +216,34 @@ TEST(BrokerLead, AThreadWhoseAnswersComeJustAfterTheWindowReadsThemWhilePolling)
       }
     });
     caller.join();
-    EXPECT_EQ(done_waits, kWaits);
+    EXPECT_EQ(done_waits, waits);
     return answered;
   };
-  // Without the stretch no window can see an answer that comes 10 ms after
-  // it ends: 0 in every run. With it most do, when the caller leads the
-  // loop through its waits; a machine whose other threads hold both CPUs
-  // for long stretches can starve a run of that (the own thread answers
-  // while the caller waits for a CPU), so up to kRuns runs are made.
   std::uint64_t answered = 0;
-  for (int r = 0; r < kRuns && answered == 0; ++r) answered = run();
-  EXPECT_GE(answered, 1u) << "in " << kRuns << " runs, waits answered 2x the window after they began still slept";
+  for (int r = 0; r < runs && answered == 0; ++r) answered = run();
+  return answered;
 }
 
-// Answers that straddle the longest window (a 10 ms wait_spin, 40 ms at
-// most): 35 ms and 80 ms in turn, so the thread's typical wait stays above
-// 40 ms. A window of `base` then could see none of them, and the thread
-// backed off after four: so a caller whose answers over ssh drifted past
-// the longest window (slept through, they came later still) never polled
+// Leading waits answered 20 ms after they begin, with a 10 ms window:
+// without the stretch every window missed (and the thread backed off after
+// four): 0 in every run. With it, the thread's history says 20 ms, and the
+// next windows (25 ms) catch them.
+TEST(BrokerLead, AThreadWhoseAnswersComeJustAfterTheWindowReadsThemWhilePolling) {
+  constexpr int kRuns = 6;
+  EXPECT_GE(answered_while_polling(10, kRuns, [](int) { return 20ms; }), 1u)
+      << "in " << kRuns << " runs, waits answered 2x the window after they began still slept";
+}
+
+// Answers that straddle the longest window (40 ms with a 10 ms wait_spin):
+// 35 ms and 80 ms in turn, so the thread's typical wait stays above 40 ms.
+// A window of wait_spin then could see none of them, and the thread backed
+// off after four: so a caller whose answers over ssh drifted past the
+// longest window (slept through, they came later still) never polled
 // again. The longest window catches the 35 ms ones.
 TEST(BrokerLead, AThreadWhoseAnswersStraddleTheLongestWindowStillCatchesTheEarlyOnes) {
-  Broker::Options o;
-  o.wait_spin = 10ms;
-  Broker broker(o);
-  testutil::settle(broker);
-  static constexpr int kWaits = 12, kRuns = 6;
-  auto run = [&broker] {
-    int done_waits = 0;
-    std::uint64_t answered = 0;
-    std::thread caller([&] {  // a thread of its own: no history of other tests' waits
-      for (int i = 0; i < kWaits; ++i) {
-        auto done = std::make_shared<std::atomic<bool>>(false);
-        const std::uint64_t before = broker.stats().wait_polls_answered;
-        bool asked = false;
-        const auto after = i % 2 == 0 ? 35ms : 80ms;
-        const Broker::Lead how = lead_after_step_aside(broker, *done, Clock::now() + kGuard, [&] {
-          if (!std::exchange(asked, true)) broker.call_later(after, [done] { *done = true; });
-        });
-        if (how != Broker::Lead::kDone) return;
-        ++done_waits;
-        answered += broker.stats().wait_polls_answered - before;
-      }
-    });
-    caller.join();
-    EXPECT_EQ(done_waits, kWaits);
-    return answered;
-  };
-  // A run can be starved by a machine whose other threads hold both CPUs
-  // (the own thread answers while the caller waits for one): up to kRuns.
-  std::uint64_t answered = 0;
-  for (int r = 0; r < kRuns && answered == 0; ++r) answered = run();
-  EXPECT_GE(answered, 1u) << "in " << kRuns << " runs, no 35 ms answer was read while polling";
+  constexpr int kRuns = 6;
+  EXPECT_GE(answered_while_polling(12, kRuns, [](int i) { return i % 2 == 0 ? 35ms : 80ms; }), 1u)
+      << "in " << kRuns << " runs, no 35 ms answer was read while polling";
 }
 
 TEST(BrokerLead, ACallerLeadingWhenTheLoopStopsIsToldAndTheBrokerFinishes) {
