@@ -105,7 +105,11 @@ TEST(WakeWord, AValueStoredWithinThePollWindowCostsTheWakerNoFutexCall) {
 
 // Windows that end unanswered four times in a row make the thread sleep at
 // once for its next waits (broker/poll_history.h), so a waiter whose work
-// comes seldom does not poll for nothing: the fifth wait sleeps.
+// comes seldom does not poll for nothing: the fifth wait sleeps. It is
+// given 200 ms: with 5 ms, a loaded machine (CI's tests two at a time)
+// could spend them in the short spin's sched_yield()s before any wait
+// began, and the wait returned at its deadline without sleeping (20 of
+// 100 runs beside three busy loops).
 TEST(WakeWord, AWaiterWhosePollsFindNothingStopsPolling) {
   std::thread([] {  // a fresh thread: the history is per thread
     WakeWord w;
@@ -116,7 +120,7 @@ TEST(WakeWord, AWaiterWhosePollsFindNothingStopsPolling) {
       EXPECT_EQ(testutil::voluntary_switches(self), before) << "wait " << i << " slept instead of polling";
     }
     const long before = testutil::voluntary_switches(self);
-    const auto deadline = Clock::now() + 5ms;
+    const auto deadline = Clock::now() + 200ms;
     while (w.wait(0, deadline, 10s)) {
     }
     EXPECT_GT(testutil::voluntary_switches(self), before) << "the fifth wait polled again";
