@@ -251,6 +251,8 @@ inline RttRun raw_rtt(const Config& cfg, int parent_cpu, int child_cpu, bool via
 // floor 10.4 to 15.3 us (bench/README.md).
 struct RttCase {
   RttRun raw, sp, epoll, polls, typed, bytes;
+  int rounds = 0, warmup_first = 0, warmup_rest = 0;
+  std::uint64_t spindle_calls = 0;  // Spindle's calls of every round, warm-up and CPU probes included
 };
 
 // `add`'s calls appended to `into`, its counters summed; the CPU placement
@@ -268,11 +270,14 @@ inline void merge(RttRun& into, RttRun add) {
 
 inline RttCase rtt_rounds(const Config& cfg, int parent, int child) {
   RttCase all;
-  const int rounds = std::max(1, cfg.rtt_rounds);
-  for (int round = 0; round < rounds; ++round) {
+  all.rounds = std::max(1, cfg.rtt_rounds);
+  all.warmup_first = cfg.rtt_warmup;
+  all.warmup_rest = cfg.rtt_warmup / 10;
+  for (int round = 0; round < all.rounds; ++round) {
     Config c = cfg;
-    c.rtt_iters = cfg.rtt_iters / rounds;
-    c.rtt_warmup = round == 0 ? cfg.rtt_warmup : cfg.rtt_warmup / 10;
+    c.rtt_iters = cfg.rtt_iters / all.rounds;
+    c.rtt_warmup = round == 0 ? all.warmup_first : all.warmup_rest;
+    all.spindle_calls += static_cast<std::uint64_t>(c.rtt_warmup + c.rtt_iters + 2);  // + the two kWhere calls
     merge(all.raw, raw_rtt(c, parent, child));
     merge(all.sp, spindle_rtt(c, parent, child));
     merge(all.epoll, raw_rtt(c, parent, child, true));
@@ -315,17 +320,14 @@ inline void section_rtt(const Config& cfg, int cpu_a, int cpu_b) {
     Stats pl = summarize(c.polls.us);
     g_report.add(name + "_raw_caller_polls", pl.median, "us", r.median);
     g_report.add(name + "_over_raw_caller_polls", s.median, "us", pl.median);
-    const int rounds = std::max(1, cfg.rtt_rounds);
     g_notes.push_back(fmt::format(
         "rtt {}: {} calls of each kind in {} alternating rounds, after {} warm-up calls in the first and {} "
         "in each other; spindle cpus: parent main {} broker {}, child broker {}; raw cpus: parent {} child {}",
-        k.label, timed, rounds, cfg.rtt_warmup, cfg.rtt_warmup / 10, sp.parent_cpu, sp.parent_broker_cpu,
+        k.label, timed, c.rounds, c.warmup_first, c.warmup_rest, sp.parent_cpu, sp.parent_broker_cpu,
         sp.child_cpu, raw.parent_cpu, raw.child_cpu));
-    const auto all = static_cast<std::uint64_t>(cfg.rtt_warmup + (rounds - 1) * (cfg.rtt_warmup / 10) + timed +
-                                                2 * rounds);
     g_notes.push_back(fmt::format(
         "rtt {}: the caller ran the loop itself in {} of {} calls; the broker thread took it back {} times",
-        k.label, sp.caller_leads, all, sp.loop_returns));
+        k.label, sp.caller_leads, c.spindle_calls, sp.loop_returns));
     auto per = [timed](std::uint64_t ns) { return static_cast<double>(ns) / 1000.0 / timed; };
     g_notes.push_back(fmt::format(
         "rtt {}: CPU per round trip (user+sys): spindle parent {:.1f} us + child {:.1f} us; "

@@ -216,10 +216,10 @@ class Broker {
   // How long a leading wait polls before it sleeps: `base`
   // (Options::wait_spin), stretched to a quarter more than `typical` (how
   // long this thread's recent waits took to be answered) when that is
-  // longer than `base` but no more than kSpinStretch times it. A caller
-  // whose answers take 100 us (a context over ssh) then reads them while
-  // polling, where a 50 us window always missed and it slept. Answers
-  // slower than that get the longest window (loop_lead.cpp).
+  // longer than `base`, up to kSpinStretch times `base`. A caller whose
+  // answers take 100 us (a context over ssh) then reads them while polling,
+  // where a 50 us window always missed and it slept; slower answers get
+  // that longest window (loop_lead.cpp).
   static constexpr int kSpinStretch = 4;
   // Options::wait_spin: what other waits on this loop's work poll for too
   // (a pool worker's, a Select's).
