@@ -129,7 +129,7 @@ void Router::arm_call_timer() {
     if (ec == asio::error::operation_aborted || !link->alive()) return;
     set_call_timer_at(Clock::time_point::max());
     calls_.arm_requested();  // after the store above: see arm_deadline
-    calls_.expire(Clock::now(), [this](std::uint32_t callee) {
+    calls_.expire(Clock::now(), [](std::uint32_t callee) {
       return std::make_exception_ptr(TimeoutError(fmt::format(
           "{}: no reply from context {} in time", errtext::kCallTimedOut, callee)));
     });

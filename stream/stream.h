@@ -180,7 +180,7 @@ struct StreamStats {
   std::uint64_t peer_holds = 0;   // times reading stopped for a destination over its mark
 };
 
-class Stream : public std::enable_shared_from_this<Stream>, public InputTurns::Turn {
+class Stream final : public std::enable_shared_from_this<Stream>, public InputTurns::Turn {
  public:
   // Takes ownership of the fds (read_fd == write_fd for a socket); closes them
   // if it throws. Sets them non-blocking. Throws std::system_error if an fd
