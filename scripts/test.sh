@@ -13,6 +13,10 @@
 # is cheap already (18 s less CPU at -O0, tests 14 s longer), so it keeps the
 # test code optimized, and with it the one run of the inline public headers
 # compiled into the tests with optimization.
+# The asan flavour links its executables non-PIE (CMakeLists.txt: every
+# process started 0.18 s sooner, its tests 335 -> 261 s on a slow guest),
+# and the sanitized flavours skip ForksScaling.N512 (33-40 s each), which the
+# plain flavour runs.
 # Choose flavours with SPINDLE_FLAVOURS (default "plain asan tsan fuzz"),
 # e.g. SPINDLE_FLAVOURS=plain bash scripts/test.sh
 # Stops at the first flavour that fails and exits non-zero.
